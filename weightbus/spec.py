@@ -1,0 +1,530 @@
+"""What each participant holds: tensors, boxes, pieces and layouts.
+
+A *canonical tensor* is one logical parameter under its checkpoint name, with its global
+shape and dtype. A *box* is a half-open region of it. A *piece* says "this box of canonical
+tensor T lives at that box of my local tensor K". A *layout* is every piece one participant
+(a writer on the trainer side, a reader on the inference side) holds.
+
+Pieces are stored column-wise (:class:`PieceTable`) because a large model over hundreds of
+participants has close to a million of them, and the planner works on whole columns at once.
+Boxes in a table are right-aligned to ``ndim`` columns: a canonical box of fewer dims is padded
+on the left with ``[0, 1)``, so a local tensor may carry extra leading dims of extent 1 (one
+expert's 2-D weight inside a stacked 3-D ``w13``).
+
+Everything here serialises to JSON or msgpack (never pickle) and has a stable digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+
+__all__ = [
+    "Box",
+    "LayoutError",
+    "Layout",
+    "LayoutBuilder",
+    "LocalTensor",
+    "Participant",
+    "Piece",
+    "PieceTable",
+    "TensorSpec",
+    "dtype_name",
+    "itemsize",
+    "torch_dtype",
+]
+
+ROLES = ("writer", "reader")
+
+
+class LayoutError(ValueError):
+    """A layout, or a disagreement between layouts, that no transfer can satisfy."""
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes travel as names ("bfloat16"), never as torch objects
+# ---------------------------------------------------------------------------------------------
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "bfloat16",
+        "float16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+    )
+    if hasattr(torch, name)
+}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` or ``"torch.bfloat16"`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    return _DTYPES[dtype_name(name)]
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a dtype given by name."""
+    return torch.empty((), dtype=torch_dtype(name)).element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# small value types
+# ---------------------------------------------------------------------------------------------
+
+
+def _shape(values: Iterable[int], what: str) -> tuple[int, ...]:
+    out = tuple(int(v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{what} {out} has a negative extent")
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorSpec:
+    """One canonical tensor: checkpoint name, global shape, dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", _shape(self.shape, f"tensor {self.name!r} shape"))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A region of a tensor: a half-open range ``[start[d], stop[d])`` per dim."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start", tuple(int(v) for v in self.start))
+        object.__setattr__(self, "stop", tuple(int(v) for v in self.stop))
+        if len(self.start) != len(self.stop):
+            raise ValueError(f"box start {self.start} and stop {self.stop} differ in length")
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @classmethod
+    def at(cls, start: Sequence[int], shape: Sequence[int]) -> Box:
+        return cls(tuple(start), tuple(int(s) + int(n) for s, n in zip(start, shape, strict=True)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.start)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for a, b in zip(self.start, self.stop, strict=True):
+            n *= max(b - a, 0)
+        return n
+
+    @property
+    def empty(self) -> bool:
+        return any(b <= a for a, b in zip(self.start, self.stop, strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region, or None when they do not overlap."""
+        start = tuple(max(a, b) for a, b in zip(self.start, other.start, strict=True))
+        stop = tuple(min(a, b) for a, b in zip(self.stop, other.stop, strict=True))
+        if any(b <= a for a, b in zip(start, stop, strict=True)):
+            return None
+        return Box(start, stop)
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a <= c and d <= b
+            for a, b, c, d in zip(self.start, self.stop, other.start, other.stop, strict=True)
+        )
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{a}:{b}" for a, b in zip(self.start, self.stop, strict=True)) + "]"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Piece:
+    """Box ``box`` of canonical tensor ``tensor`` is box ``local_box`` of local tensor ``key``.
+
+    ``local_box`` may have more dims than ``box``; the extra leading dims have extent 1.
+    """
+
+    tensor: str
+    box: Box
+    key: str
+    local_box: Box
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalTensor:
+    """A tensor as the participant stores it (an engine parameter, a trainer shard)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", _shape(self.shape, f"local tensor {self.key!r} shape"))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Participant:
+    """Who a layout belongs to: role, rank within the role, name, host id and device."""
+
+    role: str
+    rank: int
+    name: str = ""
+    host: str = "localhost"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+        if int(self.rank) < 0:
+            raise ValueError(f"{self.role} rank {self.rank} is negative")
+        object.__setattr__(self, "rank", int(self.rank))
+        if not self.name:
+            object.__setattr__(self, "name", f"{self.role}-{self.rank}")
+
+    def to_dict(self) -> dict:
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "name": self.name,
+            "host": self.host,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Participant:
+        return cls(
+            role=str(d["role"]),
+            rank=int(d["rank"]),
+            name=str(d["name"]),
+            host=str(d["host"]),
+            device=str(d["device"]),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# column-wise pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PieceTable:
+    """All pieces of one layout as columns; row ``i`` is one piece.
+
+    ``tensor`` and ``key`` index the layout's ``tensors`` and ``locals``. ``start``/``stop``
+    are the canonical box, ``local_start`` the box's first element in the local tensor, each
+    of shape ``(n, ndim)`` right-aligned (see the module docstring).
+    """
+
+    tensor: np.ndarray
+    key: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    local_start: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.tensor)
+        for name in ("start", "stop", "local_start"):
+            a = getattr(self, name)
+            assert a.ndim == 2 and a.shape[0] == n, (name, a.shape, n)
+            object.__setattr__(self, name, np.ascontiguousarray(a, dtype=np.int64))
+        object.__setattr__(self, "tensor", np.ascontiguousarray(self.tensor, dtype=np.int32))
+        object.__setattr__(self, "key", np.ascontiguousarray(self.key, dtype=np.int32))
+
+    @property
+    def ndim(self) -> int:
+        return int(self.start.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    @classmethod
+    def empty(cls, ndim: int = 1) -> PieceTable:
+        z = np.zeros((0, ndim), np.int64)
+        return cls(tensor=np.zeros(0, np.int32), key=np.zeros(0, np.int32), start=z, stop=z, local_start=z)
+
+    def widened(self, ndim: int) -> PieceTable:
+        """The same table with boxes padded on the left to ``ndim`` columns."""
+        extra = ndim - self.ndim
+        if extra <= 0:
+            return self
+        n = len(self)
+        z, o = np.zeros((n, extra), np.int64), np.ones((n, extra), np.int64)
+        return PieceTable(
+            tensor=self.tensor,
+            key=self.key,
+            start=np.hstack([z, self.start]),
+            stop=np.hstack([o, self.stop]),
+            local_start=np.hstack([z, self.local_start]),
+        )
+
+
+def _pad_left(values: Sequence[int], ndim: int, fill: int) -> list[int]:
+    return [fill] * (ndim - len(values)) + list(values)
+
+
+def _as_bytes(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Layout:
+    """All pieces one participant holds, plus who it is.
+
+    Build one with :class:`LayoutBuilder` or a provider in :mod:`weightbus.layouts`.
+    ``tensors`` are the canonical tensors the participant knows (with the shape and dtype it
+    expects), ``locals`` its local tensors, ``pieces`` the mapping between them.
+    """
+
+    participant: Participant
+    tensors: tuple[TensorSpec, ...]
+    locals: tuple[LocalTensor, ...]
+    pieces: PieceTable
+    _digest: list = field(default_factory=list, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.participant.name
+
+    @property
+    def role(self) -> str:
+        return self.participant.role
+
+    @property
+    def rank(self) -> int:
+        return self.participant.rank
+
+    def tensor_spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"{self.name} holds no canonical tensor {name!r}")
+
+    def iter_pieces(self) -> Iterator[Piece]:
+        """Pieces as objects, for people and small layouts (the planner reads the columns)."""
+        p = self.pieces
+        for i in range(len(p)):
+            spec = self.tensors[p.tensor[i]]
+            local = self.locals[p.key[i]]
+            cd, ld = len(spec.shape), len(local.shape)
+            start, stop = p.start[i], p.stop[i]
+            lstart = p.local_start[i]
+            extent = stop - start
+            yield Piece(
+                tensor=spec.name,
+                box=Box(tuple(start[p.ndim - cd :]), tuple(stop[p.ndim - cd :])),
+                key=local.key,
+                local_box=Box(
+                    tuple(lstart[p.ndim - ld :]), tuple((lstart + extent)[p.ndim - ld :])
+                ),
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of canonical data this layout's pieces cover."""
+        if not len(self.pieces):
+            return 0
+        numel = np.prod(self.pieces.stop - self.pieces.start, axis=1)
+        sizes = np.array([itemsize(t.dtype) for t in self.tensors], np.int64)
+        return int((numel * sizes[self.pieces.tensor]).sum())
+
+    # -- serialisation -----------------------------------------------------------------------
+
+    def to_dict(self, *, binary: bool = False) -> dict:
+        """A plain dict; arrays as lists (JSON) or little-endian bytes (``binary``, msgpack)."""
+        p = self.pieces
+        arrays = {
+            "tensor": p.tensor,
+            "key": p.key,
+            "start": p.start,
+            "stop": p.stop,
+            "local_start": p.local_start,
+        }
+        return {
+            "format": "weightbus.layout/1",
+            "participant": self.participant.to_dict(),
+            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors],
+            "locals": [[t.key, list(t.shape), t.dtype] for t in self.locals],
+            "n": len(p),
+            "ndim": p.ndim,
+            "pieces": {
+                k: (_as_bytes(v) if binary else v.reshape(-1).tolist()) for k, v in arrays.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Layout:
+        if d.get("format") != "weightbus.layout/1":
+            raise LayoutError(f"not a weightbus layout (format {d.get('format')!r})")
+        n, ndim = int(d["n"]), int(d["ndim"])
+        cols = {}
+        for k, v in d["pieces"].items():
+            dt = np.dtype("<i4") if k in ("tensor", "key") else np.dtype("<i8")
+            a = np.frombuffer(v, dtype=dt) if isinstance(v, bytes) else np.asarray(v, dtype=dt)
+            cols[k] = a.reshape((n, ndim) if k not in ("tensor", "key") else (n,))
+        return cls(
+            participant=Participant.from_dict(d["participant"]),
+            tensors=tuple(TensorSpec(name=a, shape=tuple(b), dtype=c) for a, b, c in d["tensors"]),
+            locals=tuple(LocalTensor(key=a, shape=tuple(b), dtype=c) for a, b, c in d["locals"]),
+            pieces=PieceTable(**cols),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        return cls.from_dict(json.loads(text))
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(self.to_dict(binary=True), use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> Layout:
+        return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=True))
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the msgpack form: equal layouts have equal digests on every process."""
+        if not self._digest:
+            self._digest.append(hashlib.sha256(self.to_msgpack()).hexdigest())
+        return self._digest[0]
+
+
+class LayoutBuilder:
+    """Collects tensors, local tensors and pieces one at a time, then builds a :class:`Layout`.
+
+    >>> b = LayoutBuilder(Participant(role="reader", rank=0))
+    >>> b.add_tensor("w", (4, 8), "bfloat16")
+    >>> b.add_local("w", (2, 8), "bfloat16")
+    >>> b.add_piece("w", Box((2, 0), (4, 8)), "w", Box((0, 0), (2, 8)))
+    >>> layout = b.build()
+    """
+
+    def __init__(self, participant: Participant) -> None:
+        self.participant = participant
+        self._tensors: dict[str, TensorSpec] = {}
+        self._locals: dict[str, LocalTensor] = {}
+        self._tensor_pos: dict[str, int] = {}
+        self._local_pos: dict[str, int] = {}
+        self._rows: list[tuple[int, int, Sequence[int], Sequence[int], Sequence[int]]] = []
+
+    def add_tensor(self, name: str, shape: Sequence[int], dtype: torch.dtype | str) -> None:
+        spec = TensorSpec(name=name, shape=tuple(shape), dtype=dtype_name(dtype))
+        old = self._tensors.setdefault(name, spec)
+        self._tensor_pos.setdefault(name, len(self._tensor_pos))
+        if old != spec:
+            raise LayoutError(
+                f"{self.participant.name}: canonical tensor {name!r} declared twice, as "
+                f"{old.shape} {old.dtype} and {spec.shape} {spec.dtype}"
+            )
+
+    def add_local(self, key: str, shape: Sequence[int], dtype: torch.dtype | str) -> None:
+        local = LocalTensor(key=key, shape=tuple(shape), dtype=dtype_name(dtype))
+        old = self._locals.setdefault(key, local)
+        self._local_pos.setdefault(key, len(self._local_pos))
+        if old != local:
+            raise LayoutError(
+                f"{self.participant.name}: local tensor {key!r} declared twice, as "
+                f"{old.shape} {old.dtype} and {local.shape} {local.dtype}"
+            )
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def add_piece(self, tensor: str, box: Box, key: str, local_box: Box) -> None:
+        """Declare that ``box`` of canonical ``tensor`` is ``local_box`` of local ``key``."""
+        who = self.participant.name
+        if tensor not in self._tensors:
+            raise LayoutError(f"{who}: piece of {tensor!r} added before add_tensor({tensor!r}, ...)")
+        if key not in self._locals:
+            raise LayoutError(f"{who}: piece in local {key!r} added before add_local({key!r}, ...)")
+        spec, local = self._tensors[tensor], self._locals[key]
+        if box.ndim != len(spec.shape):
+            raise LayoutError(
+                f"{who}: piece box {box} of {tensor!r} has {box.ndim} dims, the tensor "
+                f"{len(spec.shape)} (shape {spec.shape})"
+            )
+        if local_box.ndim != len(local.shape):
+            raise LayoutError(
+                f"{who}: local box {local_box} in {key!r} has {local_box.ndim} dims, the local "
+                f"tensor {len(local.shape)} (shape {local.shape})"
+            )
+        lead = local_box.ndim - box.ndim
+        if lead < 0 or any(e != 1 for e in local_box.shape[:lead]) or local_box.shape[lead:] != box.shape:
+            raise LayoutError(
+                f"{who}: piece of {tensor!r} box {box} (shape {box.shape}) does not fit local box "
+                f"{local_box} (shape {local_box.shape}) of {key!r}: the extents must match, with "
+                "any extra leading local dims of extent 1"
+            )
+        self._rows.append(
+            (self._tensor_pos[tensor], self._local_pos[key], box.start, box.stop, local_box.start)
+        )
+
+    def build(self) -> Layout:
+        tensors = tuple(self._tensors.values())
+        locals_ = tuple(self._locals.values())
+        ndim = max([len(t.shape) for t in locals_] + [len(t.shape) for t in tensors] + [1])
+        n = len(self._rows)
+        start = np.zeros((n, ndim), np.int64)
+        stop = np.ones((n, ndim), np.int64)
+        lstart = np.zeros((n, ndim), np.int64)
+        tensor = np.zeros(n, np.int32)
+        key = np.zeros(n, np.int32)
+        for i, (t, k, a, b, la) in enumerate(self._rows):
+            tensor[i], key[i] = t, k
+            start[i] = _pad_left(a, ndim, 0)
+            stop[i] = _pad_left(b, ndim, 1)
+            lstart[i] = _pad_left(la, ndim, 0)
+        return Layout(
+            participant=self.participant,
+            tensors=tensors,
+            locals=locals_,
+            pieces=PieceTable(tensor=tensor, key=key, start=start, stop=stop, local_start=lstart),
+        )
