@@ -1,6 +1,7 @@
 """weightbus: move model weights from RL trainers to inference engines after every step."""
 
 from weightbus.spec import (
+    BoundLayout,
     Box,
     Layout,
     LayoutBuilder,
@@ -14,6 +15,7 @@ from weightbus.spec import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoundLayout",
     "Box",
     "Layout",
     "LayoutBuilder",

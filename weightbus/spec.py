@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "BoundLayout",
     "Box",
     "LayoutError",
     "Layout",
@@ -528,3 +529,28 @@ class LayoutBuilder:
             locals=locals_,
             pieces=PieceTable(tensor=tensor, key=key, start=start, stop=stop, local_start=lstart),
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class BoundLayout:
+    """A layout together with the live local tensors it describes (by local key).
+
+    Writers read from these tensors; readers write into them in place, so the engine keeps its
+    tensor objects. Providers in :mod:`weightbus.layouts` and adapters in
+    :mod:`weightbus.engines` return one.
+    """
+
+    layout: Layout
+    tensors: dict[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        who = self.layout.name
+        for local in self.layout.locals:
+            t = self.tensors.get(local.key)
+            if t is None:
+                raise KeyError(f"{who}: layout names local tensor {local.key!r}, none was given")
+            if tuple(t.shape) != local.shape or dtype_name(t.dtype) != local.dtype:
+                raise LayoutError(
+                    f"{who}: local tensor {local.key!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                    f"the layout says {local.shape} {local.dtype}"
+                )
