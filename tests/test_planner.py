@@ -1,0 +1,259 @@
+"""Planner properties: exact coverage, bit-exact reference execution, determinism, balance."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightbus.plan import PlanOptions, allocate, execute, fill_from_canonical, make_plan
+from weightbus.spec import Box, LayoutBuilder, Participant
+
+# ---------------------------------------------------------------------------------------------
+# random scenarios: grid shardings, replicas, mixed writer shardings, fused/stacked reader locals
+# ---------------------------------------------------------------------------------------------
+
+
+def _grid(draw, shape):
+    """A random grid partition of ``shape``: list of boxes."""
+    cuts = []
+    for n in shape:
+        inner = sorted(set(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3)))) if n > 1 else []
+        cuts.append([0, *inner, n])
+    boxes = []
+    for idx in itertools.product(*[range(len(c) - 1) for c in cuts]):
+        boxes.append(Box(tuple(c[i] for c, i in zip(cuts, idx)), tuple(c[i + 1] for c, i in zip(cuts, idx))))
+    return boxes
+
+
+@st.composite
+def scenarios(draw):
+    n_t = draw(st.integers(1, 4))
+    tensors = {}
+    for i in range(n_t):
+        nd = draw(st.integers(1, 3))
+        tensors[f"t{i}"] = tuple(draw(st.integers(1, 7)) for _ in range(nd))
+    n_w, n_r = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    wpieces = {w: [] for w in range(n_w)}
+    rpieces = {r: [] for r in range(n_r)}
+    for name, shape in tensors.items():
+        shardings = 2 if draw(st.booleans()) and draw(st.booleans()) else 1  # mixed shardings
+        for _ in range(shardings):
+            for box in _grid(draw, shape):
+                holders = draw(st.lists(st.integers(0, n_w - 1), min_size=1, max_size=n_w, unique=True))
+                for w in holders:
+                    if (name, box) not in [(t, b) for t, b in wpieces[w]]:
+                        wpieces[w].append((name, box))
+        for box in _grid(draw, shape):
+            readers = draw(st.lists(st.integers(0, n_r - 1), max_size=n_r, unique=True))
+            for r in readers:
+                rpieces[r].append((name, box))
+    reader_dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    fuse = draw(st.booleans())
+    pad = draw(st.integers(0, 2))
+    bucket = draw(st.sampled_from([512, 2048, 1 << 20]))
+    return tensors, wpieces, rpieces, reader_dtype, fuse, pad, bucket
+
+
+def _writer_layout(rank, tensors, pieces, pad):
+    b = LayoutBuilder(Participant(role="writer", rank=rank))
+    for i, (name, box) in enumerate(pieces):
+        b.add_tensor(name, tensors[name], "float32")
+        # each piece in its own local tensor, sometimes at an offset inside a larger one
+        shape = tuple(e + pad for e in box.shape)
+        b.add_local(f"w{i}", shape, "float32")
+        b.add_piece(name, box, f"w{i}", Box.at((pad,) * box.ndim, box.shape))
+    return b.build()
+
+
+def _reader_layout(rank, tensors, pieces, dtype, fuse, pad):
+    b = LayoutBuilder(Participant(role="reader", rank=rank))
+    for name, _ in pieces:
+        b.add_tensor(name, tensors[name], dtype)
+    by_ndim = {}
+    for name, box in pieces:
+        by_ndim.setdefault(box.ndim, []).append((name, box))
+    for nd, group in sorted(by_ndim.items()):
+        if fuse:
+            # stacked: local (len(group), *max extents + pad); piece i at [i, 0:e...]
+            ext = [max(box.shape[d] for _, box in group) + pad for d in range(nd)]
+            key = f"stack{nd}"
+            b.add_local(key, (len(group), *ext), dtype)
+            for i, (name, box) in enumerate(group):
+                b.add_piece(name, box, key, Box.at((i,) + (0,) * nd, (1, *box.shape)))
+        else:
+            for i, (name, box) in enumerate(group):
+                key = f"r{nd}_{i}"
+                b.add_local(key, (box.shape[0] + pad, *box.shape[1:]), dtype)
+                b.add_piece(name, box, key, Box.at((pad,) + (0,) * (nd - 1), box.shape))
+    return b.build()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_layouts_reference_execution_is_exact(sc):
+    tensors, wpieces, rpieces, rdtype, fuse, pad, bucket = sc
+    gen = torch.Generator().manual_seed(1)
+    canon = {n: torch.randn(s, generator=gen) for n, s in tensors.items()}
+    writers = [_writer_layout(w, tensors, p, pad) for w, p in wpieces.items()]
+    readers = [_reader_layout(r, tensors, p, rdtype, fuse, pad) for r, p in rpieces.items()]
+    # a tensor no reader wants is allowed here through ignore_unread
+    opts = PlanOptions(bucket_bytes=bucket, cast={"float32": rdtype}, ignore_unread=("t*",))
+    plan = make_plan(writers, readers, opts)
+
+    wt = [allocate(lay) for lay in writers]  # poisoned: a route reading outside a piece shows
+    for lay, t in zip(writers, wt):
+        fill_from_canonical(lay, canon, t)
+    got = [allocate(lay) for lay in readers]
+    execute(plan, wt, got)
+
+    want_canon = {n: v.to(getattr(torch, rdtype)) for n, v in canon.items()}
+    for lay, g in zip(readers, got):
+        want = allocate(lay)
+        fill_from_canonical(lay, want_canon, want)
+        for key in want:
+            assert torch.equal(_bits(g[key]), _bits(want[key])), (lay.name, key)
+
+    # every reader element covered by a piece is written exactly once, nothing else is written
+    for ri, lay in enumerate(readers):
+        count = {lt.key: torch.zeros(lt.shape, dtype=torch.int32) for lt in lay.locals}
+        cover = {lt.key: torch.zeros(lt.shape, dtype=torch.int32) for lt in lay.locals}
+        for p in lay.iter_pieces():
+            cover[p.key][p.local_box.slices()] += 1
+        r = plan.routes
+        for i in np.flatnonzero(r.dst == ri):
+            key = lay.locals[r.dst_key[i]].key
+            nd = len(lay.locals[r.dst_key[i]].shape)
+            a = r.dst_local[i][-nd:]
+            e = (r.stop[i] - r.start[i])[-nd:]
+            count[key][tuple(slice(x, x + y) for x, y in zip(a.tolist(), e.tolist()))] += 1
+        for key in count:
+            assert torch.equal(count[key], cover[key]), (lay.name, key)
+        # zero redundancy: a reader receives exactly the bytes its pieces cover
+        assert plan.stats.reader_bytes[ri] == lay.nbytes
+
+    # buckets respect the budget and hold routes of one link
+    assert (plan.buckets.nbytes <= bucket).all()
+    r = plan.routes
+    assert (plan.buckets.src[r.bucket] == r.src).all() and (plan.buckets.dst[r.bucket] == r.dst).all()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _simple(n_writers=2, n_readers=2, dtype="float32", rows=8, cols=6):
+    writers = []
+    for w in range(n_writers):
+        b = LayoutBuilder(Participant(role="writer", rank=w))
+        lo, hi = rows * w // n_writers, rows * (w + 1) // n_writers
+        b.add_tensor("x", (rows, cols), "float32")
+        b.add_local("x", (hi - lo, cols), "float32")
+        b.add_piece("x", Box((lo, 0), (hi, cols)), "x", Box((0, 0), (hi - lo, cols)))
+        writers.append(b.build())
+    readers = []
+    for r in range(n_readers):
+        b = LayoutBuilder(Participant(role="reader", rank=r))
+        lo, hi = cols * r // n_readers, cols * (r + 1) // n_readers
+        b.add_tensor("x", (rows, cols), dtype)
+        b.add_local("x", (rows, hi - lo), dtype)
+        b.add_piece("x", Box((0, lo), (rows, hi)), "x", Box((0, 0), (rows, hi - lo)))
+        readers.append(b.build())
+    return writers, readers
+
+
+def test_plan_digest_is_stable_across_processes_and_hash_seeds():
+    code = (
+        "from tests.test_planner import _simple;from weightbus.plan import make_plan;"
+        "w,r=_simple(3,2);print(make_plan(w,r).digest)"
+    )
+    digests = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        digests.add(out.stdout.strip())
+    w, r = _simple(3, 2)
+    digests.add(make_plan(w, r).digest)
+    assert len(digests) == 1, digests
+    w2, r2 = _simple(3, 3)
+    assert make_plan(w2, r2).digest not in digests
+
+
+def test_bucket_waves_interleave_links():
+    w, r = _simple(2, 2, rows=64, cols=64)
+    plan = make_plan(w, r, PlanOptions(bucket_bytes=1024))
+    waves = plan.buckets.wave
+    assert (np.diff(waves) >= 0).all(), "buckets are executed wave by wave"
+    first_wave_links = {(int(a), int(b)) for a, b, v in zip(plan.buckets.src, plan.buckets.dst, waves) if v == 0}
+    assert first_wave_links == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_replicated_writers_share_the_load():
+    """4 data-parallel replicas, each tensor-parallel 2 (column and row parallel), -> 1 reader."""
+    shapes = {
+        "embed": ((32000, 512), 0),
+        **{f"l{i}.q": ((512, 512), 0) for i in range(8)},
+        **{f"l{i}.o": ((512, 512), 1) for i in range(8)},
+        **{f"l{i}.up": ((2048, 512), 0) for i in range(8)},
+        **{f"l{i}.down": ((512, 2048), 1) for i in range(8)},
+        **{f"l{i}.norm": ((512,), None) for i in range(8)},
+    }
+    writers = []
+    for rank in range(8):
+        tp = rank % 2
+        b = LayoutBuilder(Participant(role="writer", rank=rank))
+        for name, (shape, dim) in shapes.items():
+            b.add_tensor(name, shape, "bfloat16")
+            if dim is None:
+                box = Box.whole(shape)
+            else:
+                n = shape[dim] // 2
+                start = [0] * len(shape)
+                start[dim] = tp * n
+                ext = list(shape)
+                ext[dim] = n
+                box = Box.at(start, ext)
+            b.add_local(name, box.shape, "bfloat16")
+            b.add_piece(name, box, name, Box.whole(box.shape))
+        writers.append(b.build())
+    rb = LayoutBuilder(Participant(role="reader", rank=0))
+    for name, (shape, _) in shapes.items():
+        rb.add_tensor(name, shape, "bfloat16")
+        rb.add_local(name, shape, "bfloat16")
+        rb.add_piece(name, Box.whole(shape), name, Box.whole(shape))
+    plan = make_plan(writers, [rb.build()])
+    wb = np.array(plan.stats.writer_bytes)
+    assert wb.min() > 0, wb
+    assert wb.max() <= 1.05 * wb.mean(), (wb, plan.stats.writer_imbalance)
+    assert plan.stats.total_bytes == sum(np.prod(s) * 2 for s, _ in shapes.values())
+
+
+def test_single_writer_single_reader_sends_everything_once():
+    w, r = _simple(1, 1)
+    plan = make_plan(w, r)
+    assert plan.stats.total_bytes == 8 * 6 * 4
+    assert plan.stats.writer_bytes == (8 * 6 * 4,)
+
+
+@pytest.mark.parametrize("bucket", [512, 4096])
+def test_large_routes_are_cut_to_fit_buckets(bucket):
+    w, r = _simple(1, 1, rows=40, cols=40)
+    plan = make_plan(w, r, PlanOptions(bucket_bytes=bucket))
+    assert (plan.buckets.nbytes <= bucket).all()
+    assert plan.stats.total_bytes == 40 * 40 * 4
+    wt = [allocate(lay) for lay in w]
+    canon = {"x": torch.arange(1600, dtype=torch.float32).reshape(40, 40)}
+    fill_from_canonical(w[0], canon, wt[0])
+    rt = [allocate(lay) for lay in r]
+    execute(plan, wt, rt)
+    assert torch.equal(rt[0]["x"], canon["x"])

@@ -1,0 +1,754 @@
+"""The planner: every writer layout + every reader layout -> who sends which box to whom.
+
+A pure, deterministic function. The same layouts give the same plan, and the same digest, on
+every process and under any ``PYTHONHASHSEED``. It works on the layouts' piece columns with
+numpy, so a DeepSeek-V3-sized model over hundreds of participants plans in about a second.
+
+How a plan is made:
+
+1. Agree on the canonical tensors: every participant that names a tensor must give the same
+   shape; writers must agree on its dtype, and readers on theirs; when the two sides' dtypes
+   differ a cast must be asked for (``PlanOptions.cast``). Pieces must lie inside their tensor
+   and their local tensor. A reader's pieces must not overlap, in the canonical tensor or in
+   its local tensors.
+2. Source regions: the distinct writer boxes of each tensor. Writers that hold the same box
+   (data-parallel replicas, replicated norms) are that region's *holders*. Where distinct
+   writer boxes overlap each other (mixed shardings of one tensor), the tensor is cut into
+   disjoint cells first, and a cell's holders are the writers whose box contains it.
+3. Each distinct reader box is joined with the source regions it overlaps (a sweep, not all
+   pairs) and must be covered completely; every reader holding that box gets one route per
+   overlapping region, so each reader receives exactly its own region, once.
+4. Routes larger than half a bucket are cut along their outermost dim of extent > 1.
+5. Load balancing, the rule: routes whose region has the same holder set are laid out in a
+   fixed order (reader, tensor, box) and cut into as many contiguous runs of equal bytes as
+   there are holders; run ``j`` goes to holder ``(j + r) % k``, where ``r`` rotates with the
+   holder set so rounding remainders do not pile up on one writer. Each holder therefore sends
+   its holder set's bytes divided by its size, within one route (at most half a bucket).
+6. Buckets: the routes of each (writer, reader) link, in that fixed order, are packed into
+   buckets of at most ``bucket_bytes`` (each route starts at an aligned offset). Buckets are
+   numbered wave by wave: wave ``w`` holds the ``w``-th bucket of every link, so executing
+   buckets in order keeps every link busy at once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from weightbus.plan._boxes import (
+    expand_ranges,
+    group_starts,
+    lexsort_rows,
+    overlap_join,
+    volume,
+)
+from weightbus.spec import Layout, LayoutError, Participant, TensorSpec, dtype_name, itemsize
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PlanOptions", "PlanStats", "Routes", "Buckets", "TransferPlan", "make_plan"]
+
+MiB = 1 << 20
+_MIN_SPLIT = 64 << 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """Options of the planner."""
+
+    bucket_bytes: int = 256 * MiB
+    """Largest bucket in bytes: one staging buffer. Routes are cut to fit half of it."""
+    cast: tuple[tuple[str, str], ...] = ()
+    """Allowed dtype changes on the wire, writer dtype -> reader dtype, e.g. {"float32": "bfloat16"}."""
+    ignore_unread: tuple[str, ...] = ()
+    """fnmatch patterns of writer tensors that no reader needs (e.g. "value_head.*")."""
+    align: int = 256
+    """Byte alignment of every route inside its bucket."""
+
+    def __post_init__(self) -> None:
+        cast = self.cast.items() if isinstance(self.cast, Mapping) else self.cast
+        norm = tuple(sorted((dtype_name(a), dtype_name(b)) for a, b in cast))
+        object.__setattr__(self, "cast", norm)
+        object.__setattr__(self, "ignore_unread", tuple(self.ignore_unread))
+        if self.align < 16 or self.align & (self.align - 1):
+            raise ValueError(f"align={self.align} must be a power of two >= 16")
+        if self.bucket_bytes < 2 * self.align:
+            raise ValueError(
+                f"bucket_bytes={self.bucket_bytes} is too small: use at least {2 * self.align} "
+                "(a few MiB or more for real models)"
+            )
+
+    def cast_to(self, src: str, dst: str) -> bool:
+        return src == dst or (src, dst) in self.cast
+
+    def key(self) -> str:
+        return f"bucket={self.bucket_bytes};align={self.align};cast={self.cast};ignore={self.ignore_unread}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Routes:
+    """Column-wise routes; row ``i`` sends canonical box ``start[i]:stop[i]`` of ``tensor[i]``
+    from writer ``src[i]`` (local tensor ``src_key[i]`` at ``src_local[i]``) to reader
+    ``dst[i]`` (local ``dst_key[i]`` at ``dst_local[i]``), at byte ``offset[i]`` of bucket
+    ``bucket[i]``. Rows are sorted by bucket, then offset."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    tensor: np.ndarray
+    src_key: np.ndarray
+    dst_key: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    src_local: np.ndarray
+    dst_local: np.ndarray
+    nbytes: np.ndarray
+    bucket: np.ndarray
+    offset: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def take(self, idx: np.ndarray) -> Routes:
+        return Routes(**{f: getattr(self, f)[idx] for f in _ROUTE_FIELDS})
+
+
+_ROUTE_FIELDS = tuple(Routes.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Buckets:
+    """Column-wise buckets in execution order: link (``src`` writer, ``dst`` reader), bytes,
+    wave, and the range ``[first, first + count)`` of their routes."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    wave: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanStats:
+    """How the bytes spread: per writer, per reader, per link, and the writers' imbalance."""
+
+    total_bytes: int
+    routes: int
+    buckets: int
+    writer_bytes: tuple[int, ...]
+    reader_bytes: tuple[int, ...]
+    link_bytes: tuple[tuple[int, int, int], ...]
+    """(writer index, reader index, bytes) per link that carries data."""
+    writer_imbalance: float
+    """max / mean bytes over writers that hold any data the readers need (1.0 is perfect)."""
+    reader_imbalance: float
+    seconds: float
+
+    def summary(self) -> str:
+        return (
+            f"{self.total_bytes / 1e9:.3f} GB in {self.routes} routes, {self.buckets} buckets, "
+            f"{len(self.link_bytes)} links; writer max/mean {self.writer_imbalance:.3f}, "
+            f"reader max/mean {self.reader_imbalance:.3f}; planned in {self.seconds:.3f} s"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class TransferPlan:
+    """The result of :func:`make_plan`: routes grouped into buckets, with a digest."""
+
+    writers: tuple[Layout, ...]
+    readers: tuple[Layout, ...]
+    tensors: tuple[TensorSpec, ...]
+    """Canonical tensors with the *readers'* dtype, sorted by name."""
+    src_dtypes: tuple[str, ...]
+    """The writers' dtype of each tensor (equal to ``tensors[i].dtype`` unless cast)."""
+    routes: Routes
+    buckets: Buckets
+    options: PlanOptions
+    stats: PlanStats
+    digest: str
+    _index: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def participants(self) -> tuple[Participant, ...]:
+        return tuple(w.participant for w in self.writers) + tuple(r.participant for r in self.readers)
+
+    def buckets_of(self, role: str, index: int) -> np.ndarray:
+        """Bucket ids in execution order where writer/reader ``index`` takes part."""
+        cache_key = (role, index)
+        if cache_key not in self._index:
+            col = self.buckets.src if role == "writer" else self.buckets.dst
+            self._index[cache_key] = np.flatnonzero(col == index)
+        return self._index[cache_key]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Side:
+    """All pieces of one side (writers or readers), widened to the plan's ndim."""
+
+    part: np.ndarray  # participant index within the side
+    tensor: np.ndarray  # global tensor id
+    key: np.ndarray  # local key index within its participant
+    start: np.ndarray
+    stop: np.ndarray
+    local: np.ndarray
+    local_shape: np.ndarray  # shape of the piece's local tensor, right-aligned
+
+
+def _who(layouts: Sequence[Layout], part: int) -> str:
+    p = layouts[part].participant
+    return f"{p.role} {p.name!r}"
+
+
+def _check_participants(writers: Sequence[Layout], readers: Sequence[Layout]) -> None:
+    if not writers:
+        raise LayoutError("no writer layouts: a plan needs at least one writer")
+    if not readers:
+        raise LayoutError("no reader layouts: a plan needs at least one reader")
+    names: dict[str, str] = {}
+    for role, group in (("writer", writers), ("reader", readers)):
+        for i, lay in enumerate(group):
+            p = lay.participant
+            if p.role != role:
+                raise LayoutError(f"{p.name!r} has role {p.role!r} but was passed as a {role}")
+            if p.rank != i:
+                ranks = [x.participant.rank for x in group]
+                raise LayoutError(
+                    f"{role} ranks must be 0..{len(group) - 1} in order, got {ranks}: "
+                    "sort the layouts by rank and number them without gaps"
+                )
+            if p.name in names:
+                raise LayoutError(f"participant name {p.name!r} is used twice: names must be unique")
+            names[p.name] = role
+
+
+def _merge_tensors(
+    writers: Sequence[Layout], readers: Sequence[Layout], opts: PlanOptions
+) -> tuple[dict[str, int], list[TensorSpec], list[str], list[np.ndarray], list[np.ndarray]]:
+    """One global tensor table; checks shapes and dtypes; maps each layout's tensor ids."""
+    first: dict[str, tuple[TensorSpec, Layout]] = {}
+    wdtype: dict[str, tuple[str, Layout]] = {}
+    rdtype: dict[str, tuple[str, Layout]] = {}
+    for group, dt in ((writers, wdtype), (readers, rdtype)):
+        for lay in group:
+            for spec in lay.tensors:
+                seen = first.get(spec.name)
+                if seen is None:
+                    first[spec.name] = (spec, lay)
+                elif seen[0] is not spec and seen[0].shape != spec.shape:
+                    raise LayoutError(
+                        f"{spec.name}: {_who([lay], 0)} has shape {spec.shape}, "
+                        f"{_who([seen[1]], 0)} has {seen[0].shape}: both sides must describe the "
+                        "same checkpoint (check the model config on both sides)"
+                    )
+                prev = dt.get(spec.name)
+                if prev is None:
+                    dt[spec.name] = (spec.dtype, lay)
+                elif prev[0] != spec.dtype:
+                    raise LayoutError(
+                        f"{spec.name}: {_who([lay], 0)} holds {spec.dtype}, {_who([prev[1]], 0)} "
+                        f"holds {prev[0]}: all {lay.role}s must use one dtype per tensor"
+                    )
+    names = sorted(first)
+    index = {n: i for i, n in enumerate(names)}
+    specs, src_dtypes = [], []
+    for n in names:
+        shape = first[n][0].shape
+        if n not in wdtype:
+            lay = rdtype[n][1]
+            raise LayoutError(
+                f"{lay.role} {lay.name!r} expects {n} {shape} {rdtype[n][0]}, but no writer holds it: "
+                "add it to the trainer's layout, or drop it from the reader's"
+            )
+        if n not in rdtype:
+            if any(fnmatch.fnmatchcase(n, pat) for pat in opts.ignore_unread):
+                specs.append(TensorSpec(name=n, shape=shape, dtype=wdtype[n][0]))
+                src_dtypes.append(wdtype[n][0])
+                continue
+            lay = wdtype[n][1]
+            raise LayoutError(
+                f"{lay.role} {lay.name!r} holds {n} {shape} {wdtype[n][0]}, but no reader expects it: "
+                f"pass ignore_unread=({n!r},) (or a pattern) if the engine does not need it"
+            )
+        src, dst = wdtype[n][0], rdtype[n][0]
+        if not opts.cast_to(src, dst):
+            raise LayoutError(
+                f"reader {rdtype[n][1].name!r} expects {n} as {shape} {dst}, writers hold {shape} "
+                f"{src} ({wdtype[n][1].name!r}): pass cast={{{src!r}: {dst!r}}}"
+            )
+        specs.append(TensorSpec(name=n, shape=shape, dtype=dst))
+        src_dtypes.append(src)
+    maps = []
+    for lay in (*writers, *readers):
+        maps.append(np.array([index[t.name] for t in lay.tensors], dtype=np.int64))
+    return index, specs, src_dtypes, maps[: len(writers)], maps[len(writers) :]
+
+
+def _gather_side(layouts: Sequence[Layout], tmaps: list[np.ndarray], ndim: int) -> _Side:
+    parts, tens, keys, starts, stops, locs, lshapes = [], [], [], [], [], [], []
+    for i, (lay, tmap) in enumerate(zip(layouts, tmaps, strict=True)):
+        p = lay.pieces.widened(ndim)
+        n = len(p)
+        parts.append(np.full(n, i, np.int64))
+        tens.append(tmap[p.tensor] if n else np.zeros(0, np.int64))
+        keys.append(p.key.astype(np.int64))
+        starts.append(p.start)
+        stops.append(p.stop)
+        locs.append(p.local_start)
+        shapes = np.ones((max(len(lay.locals), 1), ndim), np.int64)
+        for k, lt in enumerate(lay.locals):
+            if lt.shape:
+                shapes[k, ndim - len(lt.shape) :] = lt.shape
+        lshapes.append(shapes[p.key] if n else np.zeros((0, ndim), np.int64))
+    cat = np.concatenate
+    return _Side(
+        part=cat(parts),
+        tensor=cat(tens),
+        key=cat(keys),
+        start=cat(starts).reshape(-1, ndim),
+        stop=cat(stops).reshape(-1, ndim),
+        local=cat(locs).reshape(-1, ndim),
+        local_shape=cat(lshapes).reshape(-1, ndim),
+    )
+
+
+def _check_local_dtypes(layouts: Sequence[Layout]) -> None:
+    """A piece's local tensor must have the dtype its participant declares for the tensor."""
+    for lay in layouts:
+        p = lay.pieces
+        if not len(p):
+            continue
+        codes = {d: i for i, d in enumerate(sorted({t.dtype for t in lay.tensors} | {t.dtype for t in lay.locals}))}
+        tcode = np.array([codes[t.dtype] for t in lay.tensors], np.int64)
+        lcode = np.array([codes[t.dtype] for t in lay.locals], np.int64)
+        bad = np.flatnonzero(tcode[p.tensor] != lcode[p.key])
+        if len(bad):
+            spec, local = lay.tensors[p.tensor[bad[0]]], lay.locals[p.key[bad[0]]]
+            raise LayoutError(
+                f"{lay.role} {lay.name!r}: {spec.name} is declared {spec.dtype} but its piece lives in "
+                f"local tensor {local.key!r} of dtype {local.dtype}: declare the tensor with the "
+                "local dtype (casts happen between participants, through PlanOptions.cast)"
+            )
+
+
+def _fmt_box(start: np.ndarray, stop: np.ndarray, nd: int) -> str:
+    s, e = start[len(start) - nd :], stop[len(stop) - nd :]
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(s.tolist(), e.tolist(), strict=True)) + "]"
+
+
+def _check_bounds(side: _Side, layouts: Sequence[Layout], shapes: np.ndarray, specs: list[TensorSpec]) -> None:
+    extent = side.stop - side.start
+    bad_empty = np.any(extent <= 0, axis=1)
+    bad_canon = np.any(side.start < 0, axis=1) | np.any(side.stop > shapes[side.tensor], axis=1)
+    bad_local = np.any(side.local < 0, axis=1) | np.any(side.local + extent > side.local_shape, axis=1)
+    for mask, what in ((bad_empty, "empty"), (bad_canon, "canonical"), (bad_local, "local")):
+        hit = np.flatnonzero(mask)
+        if len(hit) == 0:
+            continue
+        i = int(hit[0])
+        lay = layouts[side.part[i]]
+        spec = specs[side.tensor[i]]
+        box = _fmt_box(side.start[i], side.stop[i], len(spec.shape))
+        more = f" (and {len(hit) - 1} more pieces)" if len(hit) > 1 else ""
+        if what == "empty":
+            raise LayoutError(
+                f"{_who(layouts, side.part[i])}: piece {box} of {spec.name} is empty{more}: "
+                "leave empty shards out of the layout"
+            )
+        if what == "canonical":
+            raise LayoutError(
+                f"{_who(layouts, side.part[i])}: piece {box} of {spec.name} lies outside the "
+                f"tensor's shape {spec.shape}{more}: fix the shard offsets in this layout"
+            )
+        local = lay.locals[side.key[i]]
+        lstart = side.local[i]
+        lbox = _fmt_box(lstart, lstart + extent[i], len(local.shape))
+        raise LayoutError(
+            f"{_who(layouts, side.part[i])}: piece {box} of {spec.name} is placed at {lbox} of "
+            f"local tensor {local.key!r} {local.shape}, outside it{more}: fix the local offsets"
+        )
+
+
+def _check_reader_overlaps(side: _Side, layouts: Sequence[Layout], specs: list[TensorSpec]) -> None:
+    n_parts = len(layouts)
+    # canonical: a reader must not want the same element twice
+    n_t = len(specs)
+    g = side.part * n_t + side.tensor
+    ia, ib = overlap_join(g, side.start, side.stop, g, side.start, side.stop, n_parts * n_t)
+    hit = np.flatnonzero(ia < ib)
+    if len(hit):
+        i, j = int(ia[hit[0]]), int(ib[hit[0]])
+        spec = specs[side.tensor[i]]
+        nd = len(spec.shape)
+        raise LayoutError(
+            f"{_who(layouts, side.part[i])}: pieces {_fmt_box(side.start[i], side.stop[i], nd)} and "
+            f"{_fmt_box(side.start[j], side.stop[j], nd)} of {spec.name} overlap: a reader may "
+            "receive each element once (for tied weights, declare one piece and share the tensor)"
+        )
+    # local: two pieces must not write the same local element
+    n_k = max((len(lay.locals) for lay in layouts), default=1)
+    g = side.part * n_k + side.key
+    lstop = side.local + (side.stop - side.start)
+    ia, ib = overlap_join(g, side.local, lstop, g, side.local, lstop, n_parts * n_k)
+    hit = np.flatnonzero(ia < ib)
+    if len(hit):
+        i, j = int(ia[hit[0]]), int(ib[hit[0]])
+        local = layouts[side.part[i]].locals[side.key[i]]
+        nd = len(local.shape)
+        raise LayoutError(
+            f"{_who(layouts, side.part[i])}: pieces of {specs[side.tensor[i]].name} and "
+            f"{specs[side.tensor[j]].name} both write local tensor {local.key!r} at "
+            f"{_fmt_box(side.local[i], lstop[i], nd)} and {_fmt_box(side.local[j], lstop[j], nd)}: "
+            "local boxes of one reader must not overlap"
+        )
+
+
+@dataclass(slots=True)
+class _Regions:
+    """Disjoint source regions with their holders (CSR over writer piece rows)."""
+
+    tensor: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    hold_ptr: np.ndarray  # region r's holders are hold_rows[hold_ptr[r]:hold_ptr[r+1]]
+    hold_rows: np.ndarray  # writer piece rows, sorted by writer index within a region
+
+
+def _source_regions(w: _Side, n_tensors: int) -> _Regions:
+    order = lexsort_rows(w.tensor, w.start, w.stop, w.part)
+    t, s, e = w.tensor[order], w.start[order], w.stop[order]
+    firsts = group_starts([t, s, e])
+    ptr = np.append(firsts, len(order))
+    reg = _Regions(tensor=t[firsts], start=s[firsts], stop=e[firsts], hold_ptr=ptr, hold_rows=order)
+    # distinct writer boxes of one tensor that overlap each other are cut into disjoint cells
+    ia, ib = overlap_join(reg.tensor, reg.start, reg.stop, reg.tensor, reg.start, reg.stop, n_tensors)
+    mixed = np.unique(reg.tensor[ia[ia != ib]])
+    if len(mixed):
+        reg = _cut_mixed(reg, mixed, w)
+    return reg
+
+
+def _cut_mixed(reg: _Regions, mixed: np.ndarray, w: _Side) -> _Regions:
+    """Replace the regions of tensors in ``mixed`` by disjoint grid cells (rare: mixed shardings)."""
+    keep = ~np.isin(reg.tensor, mixed)
+    tens, starts, stops, holders = [], [], [], []
+    for r in np.flatnonzero(keep):
+        tens.append(reg.tensor[r])
+        starts.append(reg.start[r])
+        stops.append(reg.stop[r])
+        holders.append(reg.hold_rows[reg.hold_ptr[r] : reg.hold_ptr[r + 1]])
+    for t in mixed.tolist():
+        rs = np.flatnonzero(reg.tensor == t)
+        cuts = [np.unique(np.concatenate([reg.start[rs, d], reg.stop[rs, d]])) for d in range(reg.start.shape[1])]
+        grids = np.meshgrid(*[np.arange(len(c) - 1) for c in cuts], indexing="ij")
+        idx = np.stack([g.reshape(-1) for g in grids], axis=1)
+        cs = np.stack([cuts[d][idx[:, d]] for d in range(len(cuts))], axis=1)
+        ce = np.stack([cuts[d][idx[:, d] + 1] for d in range(len(cuts))], axis=1)
+        inside = np.all(
+            (reg.start[rs][None, :, :] <= cs[:, None, :]) & (ce[:, None, :] <= reg.stop[rs][None, :, :]), axis=2
+        )
+        for c in np.flatnonzero(inside.any(axis=1)):
+            rows = np.concatenate([reg.hold_rows[reg.hold_ptr[r] : reg.hold_ptr[r + 1]] for r in rs[inside[c]]])
+            rows = rows[np.argsort(w.part[rows], kind="stable")]
+            tens.append(t)
+            starts.append(cs[c])
+            stops.append(ce[c])
+            holders.append(rows)
+    order = lexsort_rows(np.asarray(tens), np.asarray(starts), np.asarray(stops))
+    counts = np.array([len(holders[i]) for i in order], np.int64)
+    return _Regions(
+        tensor=np.asarray(tens, np.int64)[order],
+        start=np.asarray(starts, np.int64)[order],
+        stop=np.asarray(stops, np.int64)[order],
+        hold_ptr=np.concatenate([[0], np.cumsum(counts)]),
+        hold_rows=np.concatenate([holders[i] for i in order]).astype(np.int64),
+    )
+
+
+def _split_large(
+    start: np.ndarray, stop: np.ndarray, elem_bytes: np.ndarray, limit: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut boxes over ``limit`` bytes (per box) along their outermost dim of extent > 1.
+
+    Returns (source row of each output box, starts, stops), in source order.
+    """
+    rows = np.arange(len(start), dtype=np.int64)
+    for _ in range(start.shape[1]):
+        extent = stop - start
+        nbytes = np.prod(extent, axis=1) * elem_bytes[rows]
+        lim = np.maximum(limit[rows], 1)
+        big = nbytes > lim
+        if not big.any():
+            break
+        # outermost dim with extent > 1
+        dim = np.argmax(extent > 1, axis=1)
+        ext_d = extent[np.arange(len(rows)), dim]
+        parts = np.where(big, np.minimum(-(-nbytes // lim), ext_d), 1)
+        step = -(-ext_d // parts)
+        parts = -(-ext_d // step)
+        src, k = expand_ranges(np.zeros(len(rows), np.int64), parts)
+        new_start, new_stop = start[src].copy(), stop[src].copy()
+        d = dim[src]
+        lo = start[src, d] + k * step[src]
+        hi = np.minimum(lo + step[src], stop[src, d])
+        sel = np.arange(len(src))
+        new_start[sel, d] = lo
+        new_stop[sel, d] = hi
+        rows, start, stop = rows[src], new_start, new_stop
+    return rows, start, stop
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _holder_sets(reg: _Regions, w: _Side) -> tuple[np.ndarray, np.ndarray]:
+    """Per region: a signature of its holder set (order-independent hash of the holders'
+    writer indices, mixed with their count) and the number of holders."""
+    counts = np.diff(reg.hold_ptr)
+    with np.errstate(over="ignore"):
+        h = _splitmix64(w.part[reg.hold_rows].astype(np.uint64) + np.uint64(1))
+        sig = np.add.reduceat(h, reg.hold_ptr[:-1]) if len(h) else np.zeros(0, np.uint64)
+        sig = sig ^ _splitmix64(counts.astype(np.uint64))
+    return sig, counts
+
+
+def _assign_holders(
+    region: np.ndarray,
+    nbytes: np.ndarray,
+    order_keys: list[np.ndarray],
+    reg: _Regions,
+    w: _Side,
+    sig_reg: np.ndarray,
+    counts: np.ndarray,
+) -> np.ndarray:
+    """Pick one holder (a writer piece row) per route; see rule 5 in the module docstring."""
+    k = counts[region]
+    sig = sig_reg[region]
+    order = lexsort_rows(sig, *order_keys)
+    sig_o, b_o, k_o = sig[order], nbytes[order].astype(np.float64), k[order]
+    firsts = group_starts([sig_o])
+    gid = np.repeat(np.arange(len(firsts)), np.diff(np.append(firsts, len(order))))
+    cum = np.cumsum(b_o)
+    base = np.append(0.0, cum)[firsts][gid]
+    total = np.add.reduceat(b_o, firsts)[gid] if len(firsts) else b_o
+    mid = (cum - b_o - base) + 0.5 * b_o
+    j = np.minimum((mid * k_o / np.maximum(total, 1.0)).astype(np.int64), k_o - 1)
+    j = (j + gid) % k_o
+    choice = np.empty(len(region), np.int64)
+    choice[order] = reg.hold_rows[reg.hold_ptr[region[order]] + j]
+    # same signature must mean the same holder set: check the chosen writer per set position
+    rep_first = order[firsts][gid]
+    rep_rows = reg.hold_rows[reg.hold_ptr[region[rep_first]] + j]
+    assert np.array_equal(w.part[choice[order]], w.part[rep_rows]), "holder-set hash collision"
+    return choice
+
+
+def make_plan(
+    writers: Sequence[Layout], readers: Sequence[Layout], options: PlanOptions | None = None
+) -> TransferPlan:
+    """Plan a transfer from ``writers`` to ``readers`` (each sorted by rank 0..n-1).
+
+    Raises :class:`~weightbus.spec.LayoutError` naming the tensor, the participants and the
+    fix when the layouts cannot be satisfied; nothing is planned then.
+    """
+    t0 = time.perf_counter()
+    opts = options or PlanOptions()
+    writers, readers = tuple(writers), tuple(readers)
+    _check_participants(writers, readers)
+    _, specs, src_dtypes, wmaps, rmaps = _merge_tensors(writers, readers, opts)
+    ndim = max([lay.pieces.ndim for lay in (*writers, *readers)] + [1])
+    for lay in (*writers, *readers):
+        ndim = max(ndim, max((len(t.shape) for t in lay.locals), default=1))
+    shapes = np.ones((len(specs), ndim), np.int64)
+    for i, s in enumerate(specs):
+        if s.shape:
+            shapes[i, ndim - len(s.shape) :] = s.shape
+    wire_size = np.array([itemsize(s.dtype) for s in specs], np.int64)
+
+    _check_local_dtypes(writers)
+    _check_local_dtypes(readers)
+    w = _gather_side(writers, wmaps, ndim)
+    r = _gather_side(readers, rmaps, ndim)
+    _check_bounds(w, writers, shapes, specs)
+    _check_bounds(r, readers, shapes, specs)
+    _check_reader_overlaps(r, readers, specs)
+
+    n_t = len(specs)
+    reg = _source_regions(w, n_t)
+
+    # distinct reader boxes, joined with the source regions they overlap
+    rorder = lexsort_rows(r.tensor, r.start, r.stop, r.part)
+    rfirst = group_starts([r.tensor[rorder], r.start[rorder], r.stop[rorder]])
+    dst_t, dst_s, dst_e = r.tensor[rorder][rfirst], r.start[rorder][rfirst], r.stop[rorder][rfirst]
+    ia, ib = overlap_join(dst_t, dst_s, dst_e, reg.tensor, reg.start, reg.stop, n_t)
+    ist = np.maximum(dst_s[ia], reg.start[ib])
+    ien = np.minimum(dst_e[ia], reg.stop[ib])
+    covered = np.bincount(ia, weights=volume(ist, ien), minlength=len(dst_t))
+    need = volume(dst_s, dst_e)
+    short = np.flatnonzero(covered != need)
+    if len(short):
+        d = int(short[0])
+        row = rorder[rfirst[d]]
+        spec = specs[dst_t[d]]
+        nd = len(spec.shape)
+        held = [
+            _fmt_box(reg.start[x], reg.stop[x], nd) for x in np.flatnonzero(reg.tensor == dst_t[d])[:8]
+        ]
+        raise LayoutError(
+            f"{_who(readers, r.part[row])} needs {_fmt_box(dst_s[d], dst_e[d], nd)} of {spec.name} "
+            f"{spec.shape}, but writers hold only {int(covered[d])} of its {int(need[d])} elements "
+            f"(writer boxes: {', '.join(held) or 'none'}): every reader region must be held by "
+            "some writer; check the trainer's sharding covers the whole tensor"
+        )
+
+    # every reader holding a distinct box gets one route per overlapping region
+    grp_ptr = np.append(rfirst, len(rorder))
+    by_dst = np.argsort(ia, kind="stable")
+    ia, ib, ist, ien = ia[by_dst], ib[by_dst], ist[by_dst], ien[by_dst]
+    inter_ptr = np.searchsorted(ia, np.arange(len(dst_t) + 1))
+    # pairs (reader piece row, intersection index)
+    reader_group = np.empty(len(rorder), np.int64)
+    reader_group[rorder] = np.repeat(np.arange(len(dst_t)), np.diff(grp_ptr))
+    rrow, inter = expand_ranges(inter_ptr[reader_group], inter_ptr[reader_group + 1])
+    rrow = rrow.astype(np.int64)
+    region = ib[inter]
+    rs, re_ = ist[inter], ien[inter]
+    tens = r.tensor[rrow]
+
+    # cut routes to at most half a bucket, and routes of replicated regions finer, to 1/64 of
+    # a holder's share, so that rule 5's runs come out even
+    limit = opts.bucket_bytes // 2
+    sig_reg, counts = _holder_sets(reg, w)
+    k = counts[region]
+    _, set_id = np.unique(sig_reg[region], return_inverse=True)
+    share = np.bincount(set_id, weights=volume(rs, re_) * wire_size[tens])[set_id] / k
+    route_limit = np.where(k > 1, np.clip(share / 64, _MIN_SPLIT, limit), limit) - opts.align
+    src_idx, rs, re_ = _split_large(rs, re_, wire_size[tens], route_limit.astype(np.int64))
+    rrow, region, tens = rrow[src_idx], region[src_idx], tens[src_idx]
+    nbytes = volume(rs, re_) * wire_size[tens]
+
+    wrow = _assign_holders(region, nbytes, [r.part[rrow], tens, rs], reg, w, sig_reg, counts)
+    src, dst = w.part[wrow], r.part[rrow]
+
+    # bucket by link in fixed order, then number buckets wave by wave
+    order = lexsort_rows(src, dst, tens, rs)
+    src, dst, tens, rs, re_ = src[order], dst[order], tens[order], rs[order], re_[order]
+    wrow, rrow, nbytes = wrow[order], rrow[order], nbytes[order]
+    padded = -(-nbytes // opts.align) * opts.align
+    link_first = group_starts([src, dst])
+    link_id = np.repeat(np.arange(len(link_first)), np.diff(np.append(link_first, len(src))))
+    cum = np.cumsum(padded)
+    link_base = np.append(0, cum)[link_first][link_id]
+    pos = cum - padded - link_base
+    chunk = pos // limit
+    b_first = group_starts([link_id, chunk])
+    b_count = np.diff(np.append(b_first, len(src)))
+    b_of_route = np.repeat(np.arange(len(b_first)), b_count)
+    offset = pos - pos[b_first][b_of_route]
+    b_bytes = np.add.reduceat(padded, b_first) if len(b_first) else np.zeros(0, np.int64)
+    b_wave = chunk[b_first] - chunk[link_first][link_id[b_first]]
+    b_src, b_dst = src[b_first], dst[b_first]
+    exec_order = np.lexsort((b_dst, b_src, b_wave))
+    new_id = np.empty(len(b_first), np.int64)
+    new_id[exec_order] = np.arange(len(b_first))
+    bucket = new_id[b_of_route]
+    # routes sorted by (bucket, offset)
+    rord = np.lexsort((offset, bucket))
+    first = np.searchsorted(bucket[rord], np.arange(len(b_first)))
+    routes = Routes(
+        src=src[rord].astype(np.int32),
+        dst=dst[rord].astype(np.int32),
+        tensor=tens[rord].astype(np.int32),
+        src_key=w.key[wrow][rord].astype(np.int32),
+        dst_key=r.key[rrow][rord].astype(np.int32),
+        start=rs[rord],
+        stop=re_[rord],
+        src_local=(w.local[wrow] + rs - w.start[wrow])[rord],
+        dst_local=(r.local[rrow] + rs - r.start[rrow])[rord],
+        nbytes=nbytes[rord],
+        bucket=bucket[rord].astype(np.int32),
+        offset=offset[rord],
+    )
+    buckets = Buckets(
+        src=b_src[exec_order].astype(np.int32),
+        dst=b_dst[exec_order].astype(np.int32),
+        nbytes=b_bytes[exec_order],
+        wave=b_wave[exec_order].astype(np.int32),
+        first=first,
+        count=b_count[exec_order],
+    )
+    stats = _stats(routes, buckets, len(writers), len(readers), time.perf_counter() - t0)
+    digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts)
+    plan = TransferPlan(
+        writers=writers,
+        readers=readers,
+        tensors=tuple(specs),
+        src_dtypes=tuple(src_dtypes),
+        routes=routes,
+        buckets=buckets,
+        options=opts,
+        stats=stats,
+        digest=digest,
+    )
+    logger.debug("plan %s: %s", digest[:12], stats.summary())
+    return plan
+
+
+def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float) -> PlanStats:
+    wb = np.bincount(routes.src, weights=routes.nbytes, minlength=n_w).astype(np.int64)
+    rb = np.bincount(routes.dst, weights=routes.nbytes, minlength=n_r).astype(np.int64)
+    link = np.bincount(routes.src.astype(np.int64) * n_r + routes.dst, weights=routes.nbytes, minlength=n_w * n_r)
+    links = tuple((int(i // n_r), int(i % n_r), int(link[i])) for i in np.flatnonzero(link))
+    active_w = wb[wb > 0]
+
+    def imbalance(a: np.ndarray) -> float:
+        return float(a.max() / a.mean()) if len(a) and a.mean() > 0 else 1.0
+
+    return PlanStats(
+        total_bytes=int(routes.nbytes.sum()),
+        routes=len(routes),
+        buckets=len(buckets),
+        writer_bytes=tuple(int(x) for x in wb),
+        reader_bytes=tuple(int(x) for x in rb),
+        link_bytes=links,
+        writer_imbalance=imbalance(active_w),
+        reader_imbalance=imbalance(rb),
+        seconds=seconds,
+    )
+
+
+def _digest(writers, readers, specs, src_dtypes, routes: Routes, buckets: Buckets, opts: PlanOptions) -> str:
+    h = hashlib.sha256()
+    h.update(b"weightbus.plan/1\0")
+    h.update(opts.key().encode())
+    for lay in (*writers, *readers):
+        p = lay.participant
+        h.update(f"\0{p.role}|{p.rank}|{p.name}|{p.host}|{p.device}".encode())
+        for lt in lay.locals:
+            h.update(f"|{lt.key}:{lt.shape}:{lt.dtype}".encode())
+    for s, sd in zip(specs, src_dtypes, strict=True):
+        h.update(f"\0{s.name}|{s.shape}|{sd}|{s.dtype}".encode())
+    for f in _ROUTE_FIELDS:
+        a = getattr(routes, f)
+        h.update(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes())
+    for f in Buckets.__dataclass_fields__:
+        a = getattr(buckets, f)
+        h.update(np.ascontiguousarray(a, dtype=np.dtype("<i8")).tobytes())
+    return h.hexdigest()

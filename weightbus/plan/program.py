@@ -1,0 +1,113 @@
+"""Per-participant programs: the copies one writer packs, or one reader unpacks, per bucket.
+
+Built once from a plan (at connect); a sync only replays them. The reference executor and the
+transports' Writer/Reader run the same :func:`pack` and :func:`unpack`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightbus.plan.planner import TransferPlan
+from weightbus.spec import torch_dtype
+
+__all__ = ["Copy", "BucketOp", "build_program", "pack", "unpack"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Copy:
+    """One route as seen from one side: a region of a local tensor <-> bytes of a bucket."""
+
+    key: str
+    """Local tensor key."""
+    index: tuple[slice, ...]
+    """The region of the local tensor."""
+    shape: tuple[int, ...]
+    """Shape of that region (the bytes in the bucket have this shape in ``dtype``)."""
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    """Wire dtype."""
+    tensor: str
+    """Canonical tensor name, for messages."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketOp:
+    """Everything one participant does for one bucket."""
+
+    bucket: int
+    peer: int
+    """Reader index (for a writer's op) or writer index (for a reader's op)."""
+    wave: int
+    nbytes: int
+    copies: tuple[Copy, ...]
+
+
+def build_program(plan: TransferPlan, role: str, index: int) -> tuple[BucketOp, ...]:
+    """The bucket ops of writer or reader ``index``, in execution order."""
+    if role not in ("writer", "reader"):
+        raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
+    layout = (plan.writers if role == "writer" else plan.readers)[index]
+    routes, buckets = plan.routes, plan.buckets
+    key_col, local_col = (
+        (routes.src_key, routes.src_local) if role == "writer" else (routes.dst_key, routes.dst_local)
+    )
+    peer_col = buckets.dst if role == "writer" else buckets.src
+    wire = [torch_dtype(t.dtype) for t in plan.tensors]
+    ops = []
+    for b in plan.buckets_of(role, index).tolist():
+        lo, hi = int(buckets.first[b]), int(buckets.first[b] + buckets.count[b])
+        copies = []
+        extent = routes.stop[lo:hi] - routes.start[lo:hi]
+        for i, r in enumerate(range(lo, hi)):
+            local = layout.locals[int(key_col[r])]
+            nd = len(local.shape)
+            start = local_col[r][local_col.shape[1] - nd :]
+            ext = extent[i][extent.shape[1] - nd :]
+            copies.append(
+                Copy(
+                    key=local.key,
+                    index=tuple(slice(int(a), int(a + e)) for a, e in zip(start, ext, strict=True)),
+                    shape=tuple(int(e) for e in ext),
+                    offset=int(routes.offset[r]),
+                    nbytes=int(routes.nbytes[r]),
+                    dtype=wire[int(routes.tensor[r])],
+                    tensor=plan.tensors[int(routes.tensor[r])].name,
+                )
+            )
+        ops.append(
+            BucketOp(
+                bucket=b,
+                peer=int(peer_col[b]),
+                wave=int(buckets.wave[b]),
+                nbytes=int(buckets.nbytes[b]),
+                copies=tuple(copies),
+            )
+        )
+    return tuple(ops)
+
+
+def _wire_view(buf: torch.Tensor, c: Copy) -> torch.Tensor:
+    return buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape)
+
+
+def pack(op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
+    """Copy (and cast) a writer's regions into the bucket's bytes ``buf`` (uint8, contiguous)."""
+    for c in op.copies:
+        _wire_view(buf, c).copy_(tensors[c.key][c.index])
+
+
+def unpack(op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
+    """Copy (and cast) the bucket's bytes into a reader's live tensors, in place."""
+    for c in op.copies:
+        tensors[c.key][c.index].copy_(_wire_view(buf, c))
+
+
+def route_counts(plan: TransferPlan) -> np.ndarray:
+    """Routes per bucket (for statistics)."""
+    return plan.buckets.count
