@@ -85,9 +85,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[dtype_name(name)]
 
 
+_ITEMSIZE: dict[str, int] = {}
+
+
 def itemsize(name: str) -> int:
     """Bytes per element of a dtype given by name."""
-    return torch.empty((), dtype=torch_dtype(name)).element_size()
+    size = _ITEMSIZE.get(name)
+    if size is None:
+        size = _ITEMSIZE[name] = torch.empty((), dtype=torch_dtype(name)).element_size()
+    return size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +294,9 @@ class PieceTable:
     @classmethod
     def empty(cls, ndim: int = 1) -> PieceTable:
         z = np.zeros((0, ndim), np.int64)
-        return cls(tensor=np.zeros(0, np.int32), key=np.zeros(0, np.int32), start=z, stop=z, local_start=z)
+        return cls(
+            tensor=np.zeros(0, np.int32), key=np.zeros(0, np.int32), start=z, stop=z, local_start=z
+        )
 
     def widened(self, ndim: int) -> PieceTable:
         """The same table with boxes padded on the left to ``ndim`` columns."""
@@ -327,7 +335,7 @@ class Layout:
     tensors: tuple[TensorSpec, ...]
     locals: tuple[LocalTensor, ...]
     pieces: PieceTable
-    _digest: list = field(default_factory=list, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -433,9 +441,9 @@ class Layout:
     @property
     def digest(self) -> str:
         """sha256 of the msgpack form: equal layouts have equal digests on every process."""
-        if not self._digest:
-            self._digest.append(hashlib.sha256(self.to_msgpack()).hexdigest())
-        return self._digest[0]
+        if "digest" not in self._memo:
+            self._memo["digest"] = hashlib.sha256(self.to_msgpack()).hexdigest()
+        return self._memo["digest"]
 
 
 class LayoutBuilder:
@@ -483,7 +491,9 @@ class LayoutBuilder:
         """Declare that ``box`` of canonical ``tensor`` is ``local_box`` of local ``key``."""
         who = self.participant.name
         if tensor not in self._tensors:
-            raise LayoutError(f"{who}: piece of {tensor!r} added before add_tensor({tensor!r}, ...)")
+            raise LayoutError(
+                f"{who}: piece of {tensor!r} added before add_tensor({tensor!r}, ...)"
+            )
         if key not in self._locals:
             raise LayoutError(f"{who}: piece in local {key!r} added before add_local({key!r}, ...)")
         spec, local = self._tensors[tensor], self._locals[key]
@@ -498,7 +508,11 @@ class LayoutBuilder:
                 f"tensor {len(local.shape)} (shape {local.shape})"
             )
         lead = local_box.ndim - box.ndim
-        if lead < 0 or any(e != 1 for e in local_box.shape[:lead]) or local_box.shape[lead:] != box.shape:
+        if (
+            lead < 0
+            or any(e != 1 for e in local_box.shape[:lead])
+            or local_box.shape[lead:] != box.shape
+        ):
             raise LayoutError(
                 f"{who}: piece of {tensor!r} box {box} (shape {box.shape}) does not fit local box "
                 f"{local_box} (shape {local_box.shape}) of {key!r}: the extents must match, with "

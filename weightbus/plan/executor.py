@@ -29,7 +29,9 @@ def poison(t: torch.Tensor) -> None:
         raw.copy_(torch.randint(-100, 100, raw.shape).to(raw.dtype))
 
 
-def allocate(layout: Layout, *, device: str | torch.device = "cpu", poisoned: bool = True) -> dict[str, torch.Tensor]:
+def allocate(
+    layout: Layout, *, device: str | torch.device = "cpu", poisoned: bool = True
+) -> dict[str, torch.Tensor]:
     """Fresh local tensors for a layout, poisoned (NaN) unless ``poisoned=False`` (zeros)."""
     out = {}
     for lt in layout.locals:
@@ -60,8 +62,16 @@ def execute(
             f"plan has {len(plan.writers)} writers and {len(plan.readers)} readers, got tensors for "
             f"{len(writer_tensors)} and {len(reader_tensors)}"
         )
-    w_ops = {op.bucket: (i, op) for i in range(len(plan.writers)) for op in build_program(plan, "writer", i)}
-    r_ops = {op.bucket: (i, op) for i in range(len(plan.readers)) for op in build_program(plan, "reader", i)}
+    w_ops = {
+        op.bucket: (i, op)
+        for i in range(len(plan.writers))
+        for op in build_program(plan, "writer", i)
+    }
+    r_ops = {
+        op.bucket: (i, op)
+        for i in range(len(plan.readers))
+        for op in build_program(plan, "reader", i)
+    }
     moved = 0
     for b in range(len(plan.buckets)):
         wi, wop = w_ops[b]

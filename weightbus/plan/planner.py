@@ -33,8 +33,11 @@ How a plan is made:
 from __future__ import annotations
 
 import fnmatch
+import gc
 import hashlib
+import itertools
 import logging
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,7 +183,9 @@ class TransferPlan:
 
     @property
     def participants(self) -> tuple[Participant, ...]:
-        return tuple(w.participant for w in self.writers) + tuple(r.participant for r in self.readers)
+        return tuple(w.participant for w in self.writers) + tuple(
+            r.participant for r in self.readers
+        )
 
     def buckets_of(self, role: str, index: int) -> np.ndarray:
         """Bucket ids in execution order where writer/reader ``index`` takes part."""
@@ -230,70 +235,119 @@ def _check_participants(writers: Sequence[Layout], readers: Sequence[Layout]) ->
                     "sort the layouts by rank and number them without gaps"
                 )
             if p.name in names:
-                raise LayoutError(f"participant name {p.name!r} is used twice: names must be unique")
+                raise LayoutError(
+                    f"participant name {p.name!r} is used twice: names must be unique"
+                )
             names[p.name] = role
+
+
+def _unique_specs(group: Sequence[Layout]) -> tuple[list[TensorSpec], list[int], list[np.ndarray]]:
+    """The distinct TensorSpec objects of a group of layouts (by identity: layouts built from
+    one model share them), the layout each first appears in, and per layout the position of
+    each of its tensors in that list."""
+    flat = list(itertools.chain.from_iterable(lay.tensors for lay in group))
+    ids = np.fromiter(map(id, flat), np.int64, len(flat))
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    # order by first appearance, not by memory address, so results and messages are stable
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    first, inverse = first[order], rank[inverse]
+    sizes = np.cumsum([0] + [len(lay.tensors) for lay in group])
+    owner = np.searchsorted(sizes, first, side="right") - 1
+    per_layout = [inverse[sizes[i] : sizes[i + 1]] for i in range(len(group))]
+    return [flat[i] for i in first.tolist()], owner.tolist(), per_layout
 
 
 def _merge_tensors(
     writers: Sequence[Layout], readers: Sequence[Layout], opts: PlanOptions
-) -> tuple[dict[str, int], list[TensorSpec], list[str], list[np.ndarray], list[np.ndarray]]:
+) -> tuple[list[TensorSpec], list[str], list[np.ndarray], list[np.ndarray]]:
     """One global tensor table; checks shapes and dtypes; maps each layout's tensor ids."""
     first: dict[str, tuple[TensorSpec, Layout]] = {}
-    wdtype: dict[str, tuple[str, Layout]] = {}
-    rdtype: dict[str, tuple[str, Layout]] = {}
-    for group, dt in ((writers, wdtype), (readers, rdtype)):
-        for lay in group:
-            for spec in lay.tensors:
-                seen = first.get(spec.name)
-                if seen is None:
-                    first[spec.name] = (spec, lay)
-                elif seen[0] is not spec and seen[0].shape != spec.shape:
-                    raise LayoutError(
-                        f"{spec.name}: {_who([lay], 0)} has shape {spec.shape}, "
-                        f"{_who([seen[1]], 0)} has {seen[0].shape}: both sides must describe the "
-                        "same checkpoint (check the model config on both sides)"
-                    )
-                prev = dt.get(spec.name)
-                if prev is None:
-                    dt[spec.name] = (spec.dtype, lay)
-                elif prev[0] != spec.dtype:
-                    raise LayoutError(
-                        f"{spec.name}: {_who([lay], 0)} holds {spec.dtype}, {_who([prev[1]], 0)} "
-                        f"holds {prev[0]}: all {lay.role}s must use one dtype per tensor"
-                    )
+    dtypes: list[dict[str, tuple[str, Layout]]] = []
+    uniques = []
+    for group in (writers, readers):
+        specs, owner, per_layout = _unique_specs(group)
+        uniques.append((specs, per_layout))
+        dt: dict[str, tuple[str, Layout]] = {}
+        dtypes.append(dt)
+        for spec, o in zip(specs, owner, strict=True):
+            lay = group[o]
+            seen = first.get(spec.name)
+            if seen is None:
+                first[spec.name] = (spec, lay)
+            elif seen[0].shape != spec.shape:
+                raise LayoutError(
+                    f"{spec.name}: {_who([lay], 0)} has shape {spec.shape}, "
+                    f"{_who([seen[1]], 0)} has {seen[0].shape}: both sides must describe the "
+                    "same checkpoint (check the model config on both sides)"
+                )
+            prev = dt.get(spec.name)
+            if prev is None:
+                dt[spec.name] = (spec.dtype, lay)
+            elif prev[0] != spec.dtype:
+                raise LayoutError(
+                    f"{spec.name}: {_who([lay], 0)} holds {spec.dtype}, {_who([prev[1]], 0)} "
+                    f"holds {prev[0]}: all {lay.role}s must use one dtype per tensor"
+                )
+    wdtype, rdtype = dtypes
     names = sorted(first)
-    index = {n: i for i, n in enumerate(names)}
     specs, src_dtypes = [], []
     for n in names:
-        shape = first[n][0].shape
+        spec0, _ = first[n]
+        shape = spec0.shape
         if n not in wdtype:
             lay = rdtype[n][1]
             raise LayoutError(
                 f"{lay.role} {lay.name!r} expects {n} {shape} {rdtype[n][0]}, but no writer holds it: "
                 "add it to the trainer's layout, or drop it from the reader's"
             )
+        src = wdtype[n][0]
         if n not in rdtype:
-            if any(fnmatch.fnmatchcase(n, pat) for pat in opts.ignore_unread):
-                specs.append(TensorSpec(name=n, shape=shape, dtype=wdtype[n][0]))
-                src_dtypes.append(wdtype[n][0])
-                continue
-            lay = wdtype[n][1]
-            raise LayoutError(
-                f"{lay.role} {lay.name!r} holds {n} {shape} {wdtype[n][0]}, but no reader expects it: "
-                f"pass ignore_unread=({n!r},) (or a pattern) if the engine does not need it"
-            )
-        src, dst = wdtype[n][0], rdtype[n][0]
-        if not opts.cast_to(src, dst):
-            raise LayoutError(
-                f"reader {rdtype[n][1].name!r} expects {n} as {shape} {dst}, writers hold {shape} "
-                f"{src} ({wdtype[n][1].name!r}): pass cast={{{src!r}: {dst!r}}}"
-            )
-        specs.append(TensorSpec(name=n, shape=shape, dtype=dst))
+            if not any(fnmatch.fnmatchcase(n, pat) for pat in opts.ignore_unread):
+                lay = wdtype[n][1]
+                raise LayoutError(
+                    f"{lay.role} {lay.name!r} holds {n} {shape} {src}, but no reader expects it: "
+                    f"pass ignore_unread=({n!r},) (or a pattern) if the engine does not need it"
+                )
+            dst = src
+        else:
+            dst = rdtype[n][0]
+            if not opts.cast_to(src, dst):
+                raise LayoutError(
+                    f"reader {rdtype[n][1].name!r} expects {n} as {shape} {dst}, writers hold {shape} "
+                    f"{src} ({wdtype[n][1].name!r}): pass cast={{{src!r}: {dst!r}}}"
+                )
+        specs.append(spec0 if spec0.dtype == dst else TensorSpec(name=n, shape=shape, dtype=dst))
         src_dtypes.append(src)
+    index = {n: i for i, n in enumerate(names)}
     maps = []
-    for lay in (*writers, *readers):
-        maps.append(np.array([index[t.name] for t in lay.tensors], dtype=np.int64))
-    return index, specs, src_dtypes, maps[: len(writers)], maps[len(writers) :]
+    for uspecs, per_layout in uniques:
+        glob = np.fromiter((index[sp.name] for sp in uspecs), np.int64, len(uspecs))
+        maps.append([glob[inv] for inv in per_layout])
+    return specs, src_dtypes, maps[0], maps[1]
+
+
+def _shape_table(shapes: Sequence[tuple[int, ...]], ndim: int) -> np.ndarray:
+    """Shapes right-aligned to ``ndim`` columns (padded with 1) as one int64 array."""
+    pads = [(1,) * (ndim - k) for k in range(ndim + 1)]
+    flat = itertools.chain.from_iterable(pads[len(sh)] + sh for sh in shapes)
+    return np.fromiter(flat, np.int64, len(shapes) * ndim).reshape(len(shapes), ndim)
+
+
+def _local_shapes(lay: Layout, ndim: int) -> np.ndarray:
+    """Shapes of a layout's local tensors, right-aligned to ``ndim`` columns."""
+    key = ("local_shapes", ndim)
+    table = lay._memo.get(key)
+    if table is None:
+        shapes = list(map(_SHAPE, lay.locals))
+        table = lay._memo[key] = _shape_table(shapes, ndim) if shapes else np.ones((1, ndim), np.int64)
+    return table
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_KEY = operator.attrgetter("key")
 
 
 def _gather_side(layouts: Sequence[Layout], tmaps: list[np.ndarray], ndim: int) -> _Side:
@@ -307,10 +361,7 @@ def _gather_side(layouts: Sequence[Layout], tmaps: list[np.ndarray], ndim: int) 
         starts.append(p.start)
         stops.append(p.stop)
         locs.append(p.local_start)
-        shapes = np.ones((max(len(lay.locals), 1), ndim), np.int64)
-        for k, lt in enumerate(lay.locals):
-            if lt.shape:
-                shapes[k, ndim - len(lt.shape) :] = lt.shape
+        shapes = _local_shapes(lay, ndim)
         lshapes.append(shapes[p.key] if n else np.zeros((0, ndim), np.int64))
     cat = np.concatenate
     return _Side(
@@ -324,13 +375,26 @@ def _gather_side(layouts: Sequence[Layout], tmaps: list[np.ndarray], ndim: int) 
     )
 
 
+def _any_col(mask: np.ndarray) -> np.ndarray:
+    """Row-wise any() of a narrow 2-D mask (faster than ``mask.any(axis=1)``)."""
+    out = mask[:, 0].copy()
+    for d in range(1, mask.shape[1]):
+        out |= mask[:, d]
+    return out
+
+
 def _check_local_dtypes(layouts: Sequence[Layout]) -> None:
     """A piece's local tensor must have the dtype its participant declares for the tensor."""
     for lay in layouts:
         p = lay.pieces
         if not len(p):
             continue
-        codes = {d: i for i, d in enumerate(sorted({t.dtype for t in lay.tensors} | {t.dtype for t in lay.locals}))}
+        codes = {
+            d: i
+            for i, d in enumerate(
+                sorted({t.dtype for t in lay.tensors} | {t.dtype for t in lay.locals})
+            )
+        }
         tcode = np.array([codes[t.dtype] for t in lay.tensors], np.int64)
         lcode = np.array([codes[t.dtype] for t in lay.locals], np.int64)
         bad = np.flatnonzero(tcode[p.tensor] != lcode[p.key])
@@ -348,11 +412,13 @@ def _fmt_box(start: np.ndarray, stop: np.ndarray, nd: int) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in zip(s.tolist(), e.tolist(), strict=True)) + "]"
 
 
-def _check_bounds(side: _Side, layouts: Sequence[Layout], shapes: np.ndarray, specs: list[TensorSpec]) -> None:
+def _check_bounds(
+    side: _Side, layouts: Sequence[Layout], shapes: np.ndarray, specs: list[TensorSpec]
+) -> None:
     extent = side.stop - side.start
-    bad_empty = np.any(extent <= 0, axis=1)
-    bad_canon = np.any(side.start < 0, axis=1) | np.any(side.stop > shapes[side.tensor], axis=1)
-    bad_local = np.any(side.local < 0, axis=1) | np.any(side.local + extent > side.local_shape, axis=1)
+    bad_empty = _any_col(extent <= 0)
+    bad_canon = _any_col(side.start < 0) | _any_col(side.stop > shapes[side.tensor])
+    bad_local = _any_col(side.local < 0) | _any_col(side.local + extent > side.local_shape)
     for mask, what in ((bad_empty, "empty"), (bad_canon, "canonical"), (bad_local, "local")):
         hit = np.flatnonzero(mask)
         if len(hit) == 0:
@@ -381,15 +447,23 @@ def _check_bounds(side: _Side, layouts: Sequence[Layout], shapes: np.ndarray, sp
         )
 
 
+def _self_overlaps(group: np.ndarray, start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs ``i < j`` of rows in the same group whose boxes overlap (only groups of 2+ rows)."""
+    _, inv, counts = np.unique(group, return_inverse=True, return_counts=True)
+    rows = np.flatnonzero(counts[inv] > 1)
+    if len(rows) == 0:
+        return rows, rows
+    g = inv[rows]
+    ia, ib = overlap_join(g, start[rows], stop[rows], g, start[rows], stop[rows], int(g.max()) + 1)
+    keep = ia < ib
+    return rows[ia[keep]], rows[ib[keep]]
+
+
 def _check_reader_overlaps(side: _Side, layouts: Sequence[Layout], specs: list[TensorSpec]) -> None:
-    n_parts = len(layouts)
     # canonical: a reader must not want the same element twice
-    n_t = len(specs)
-    g = side.part * n_t + side.tensor
-    ia, ib = overlap_join(g, side.start, side.stop, g, side.start, side.stop, n_parts * n_t)
-    hit = np.flatnonzero(ia < ib)
-    if len(hit):
-        i, j = int(ia[hit[0]]), int(ib[hit[0]])
+    ia, ib = _self_overlaps(side.part * len(specs) + side.tensor, side.start, side.stop)
+    if len(ia):
+        i, j = int(ia[0]), int(ib[0])
         spec = specs[side.tensor[i]]
         nd = len(spec.shape)
         raise LayoutError(
@@ -399,12 +473,10 @@ def _check_reader_overlaps(side: _Side, layouts: Sequence[Layout], specs: list[T
         )
     # local: two pieces must not write the same local element
     n_k = max((len(lay.locals) for lay in layouts), default=1)
-    g = side.part * n_k + side.key
     lstop = side.local + (side.stop - side.start)
-    ia, ib = overlap_join(g, side.local, lstop, g, side.local, lstop, n_parts * n_k)
-    hit = np.flatnonzero(ia < ib)
-    if len(hit):
-        i, j = int(ia[hit[0]]), int(ib[hit[0]])
+    ia, ib = _self_overlaps(side.part * n_k + side.key, side.local, lstop)
+    if len(ia):
+        i, j = int(ia[0]), int(ib[0])
         local = layouts[side.part[i]].locals[side.key[i]]
         nd = len(local.shape)
         raise LayoutError(
@@ -433,7 +505,9 @@ def _source_regions(w: _Side, n_tensors: int) -> _Regions:
     ptr = np.append(firsts, len(order))
     reg = _Regions(tensor=t[firsts], start=s[firsts], stop=e[firsts], hold_ptr=ptr, hold_rows=order)
     # distinct writer boxes of one tensor that overlap each other are cut into disjoint cells
-    ia, ib = overlap_join(reg.tensor, reg.start, reg.stop, reg.tensor, reg.start, reg.stop, n_tensors)
+    ia, ib = overlap_join(
+        reg.tensor, reg.start, reg.stop, reg.tensor, reg.start, reg.stop, n_tensors
+    )
     mixed = np.unique(reg.tensor[ia[ia != ib]])
     if len(mixed):
         reg = _cut_mixed(reg, mixed, w)
@@ -451,16 +525,23 @@ def _cut_mixed(reg: _Regions, mixed: np.ndarray, w: _Side) -> _Regions:
         holders.append(reg.hold_rows[reg.hold_ptr[r] : reg.hold_ptr[r + 1]])
     for t in mixed.tolist():
         rs = np.flatnonzero(reg.tensor == t)
-        cuts = [np.unique(np.concatenate([reg.start[rs, d], reg.stop[rs, d]])) for d in range(reg.start.shape[1])]
+        cuts = [
+            np.unique(np.concatenate([reg.start[rs, d], reg.stop[rs, d]]))
+            for d in range(reg.start.shape[1])
+        ]
         grids = np.meshgrid(*[np.arange(len(c) - 1) for c in cuts], indexing="ij")
         idx = np.stack([g.reshape(-1) for g in grids], axis=1)
         cs = np.stack([cuts[d][idx[:, d]] for d in range(len(cuts))], axis=1)
         ce = np.stack([cuts[d][idx[:, d] + 1] for d in range(len(cuts))], axis=1)
         inside = np.all(
-            (reg.start[rs][None, :, :] <= cs[:, None, :]) & (ce[:, None, :] <= reg.stop[rs][None, :, :]), axis=2
+            (reg.start[rs][None, :, :] <= cs[:, None, :])
+            & (ce[:, None, :] <= reg.stop[rs][None, :, :]),
+            axis=2,
         )
         for c in np.flatnonzero(inside.any(axis=1)):
-            rows = np.concatenate([reg.hold_rows[reg.hold_ptr[r] : reg.hold_ptr[r + 1]] for r in rs[inside[c]]])
+            rows = np.concatenate(
+                [reg.hold_rows[reg.hold_ptr[r] : reg.hold_ptr[r + 1]] for r in rs[inside[c]]]
+            )
             rows = rows[np.argsort(w.part[rows], kind="stable")]
             tens.append(t)
             starts.append(cs[c])
@@ -482,32 +563,37 @@ def _split_large(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut boxes over ``limit`` bytes (per box) along their outermost dim of extent > 1.
 
-    Returns (source row of each output box, starts, stops), in source order.
+    Returns (source row of each output box, starts, stops): the boxes that fit first, then
+    the pieces of the cut ones.
     """
     rows = np.arange(len(start), dtype=np.int64)
-    for _ in range(start.shape[1]):
+    nbytes = volume(start, stop) * elem_bytes
+    big = (nbytes > np.maximum(limit, 1)) & _any_col(stop - start > 1)
+    out_rows, out_start, out_stop = [rows[~big]], [start[~big]], [stop[~big]]
+    rows, start, stop = rows[big], start[big], stop[big]
+    while len(rows):
         extent = stop - start
-        nbytes = np.prod(extent, axis=1) * elem_bytes[rows]
+        nbytes = volume(start, stop) * elem_bytes[rows]
         lim = np.maximum(limit[rows], 1)
-        big = nbytes > lim
-        if not big.any():
-            break
-        # outermost dim with extent > 1
-        dim = np.argmax(extent > 1, axis=1)
+        dim = np.argmax(extent > 1, axis=1)  # outermost dim with extent > 1
         ext_d = extent[np.arange(len(rows)), dim]
-        parts = np.where(big, np.minimum(-(-nbytes // lim), ext_d), 1)
+        parts = np.minimum(-(-nbytes // lim), ext_d)
         step = -(-ext_d // parts)
         parts = -(-ext_d // step)
         src, k = expand_ranges(np.zeros(len(rows), np.int64), parts)
-        new_start, new_stop = start[src].copy(), stop[src].copy()
+        new_start, new_stop = start[src], stop[src]
         d = dim[src]
-        lo = start[src, d] + k * step[src]
-        hi = np.minimum(lo + step[src], stop[src, d])
         sel = np.arange(len(src))
-        new_start[sel, d] = lo
-        new_stop[sel, d] = hi
+        new_start[sel, d] = start[src, d] + k * step[src]
+        new_stop[sel, d] = np.minimum(new_start[sel, d] + step[src], stop[src, d])
         rows, start, stop = rows[src], new_start, new_stop
-    return rows, start, stop
+        # a single element cannot be cut further, whatever the limit
+        still = (volume(start, stop) * elem_bytes[rows] > np.maximum(limit[rows], 1)) & _any_col(stop - start > 1)
+        out_rows.append(rows[~still])
+        out_start.append(start[~still])
+        out_stop.append(stop[~still])
+        rows, start, stop = rows[still], start[still], stop[still]
+    return np.concatenate(out_rows), np.concatenate(out_start), np.concatenate(out_stop)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -530,33 +616,34 @@ def _holder_sets(reg: _Regions, w: _Side) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _assign_holders(
-    region: np.ndarray,
-    nbytes: np.ndarray,
-    order_keys: list[np.ndarray],
-    reg: _Regions,
-    w: _Side,
-    sig_reg: np.ndarray,
-    counts: np.ndarray,
+    region: np.ndarray, nbytes: np.ndarray, reg: _Regions, w: _Side, sig_reg: np.ndarray, counts: np.ndarray
 ) -> np.ndarray:
-    """Pick one holder (a writer piece row) per route; see rule 5 in the module docstring."""
-    k = counts[region]
-    sig = sig_reg[region]
-    order = lexsort_rows(sig, *order_keys)
-    sig_o, b_o, k_o = sig[order], nbytes[order].astype(np.float64), k[order]
+    """Pick one holder (a writer piece row) per route; see rule 5 in the module docstring.
+
+    Routes arrive in a fixed order (reader piece, then region); within a holder set that order
+    is kept (a stable sort by signature).
+    """
+    choice = reg.hold_rows[reg.hold_ptr[region]]
+    multi = np.flatnonzero(counts[region] > 1)
+    if len(multi) == 0:
+        return choice
+    region_m = region[multi]
+    sig = sig_reg[region_m]
+    order = np.argsort(sig, kind="stable")
+    sig_o, b_o, k_o = sig[order], nbytes[multi][order].astype(np.float64), counts[region_m][order]
     firsts = group_starts([sig_o])
     gid = np.repeat(np.arange(len(firsts)), np.diff(np.append(firsts, len(order))))
     cum = np.cumsum(b_o)
     base = np.append(0.0, cum)[firsts][gid]
-    total = np.add.reduceat(b_o, firsts)[gid] if len(firsts) else b_o
+    total = np.add.reduceat(b_o, firsts)[gid]
     mid = (cum - b_o - base) + 0.5 * b_o
     j = np.minimum((mid * k_o / np.maximum(total, 1.0)).astype(np.int64), k_o - 1)
     j = (j + gid) % k_o
-    choice = np.empty(len(region), np.int64)
-    choice[order] = reg.hold_rows[reg.hold_ptr[region[order]] + j]
+    picked = reg.hold_rows[reg.hold_ptr[region_m[order]] + j]
     # same signature must mean the same holder set: check the chosen writer per set position
-    rep_first = order[firsts][gid]
-    rep_rows = reg.hold_rows[reg.hold_ptr[region[rep_first]] + j]
-    assert np.array_equal(w.part[choice[order]], w.part[rep_rows]), "holder-set hash collision"
+    rep_rows = reg.hold_rows[reg.hold_ptr[region_m[order[firsts]][gid]] + j]
+    assert np.array_equal(w.part[picked], w.part[rep_rows]), "holder-set hash collision"
+    choice[multi[order]] = picked
     return choice
 
 
@@ -568,18 +655,29 @@ def make_plan(
     Raises :class:`~weightbus.spec.LayoutError` naming the tensor, the participants and the
     fix when the layouts cannot be satisfied; nothing is planned then.
     """
+    # planning allocates millions of small objects while millions more are alive; the cyclic
+    # collector would rescan them all many times over, for nothing (no cycles are made here)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_plan(writers, readers, options)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _make_plan(
+    writers: Sequence[Layout], readers: Sequence[Layout], options: PlanOptions | None
+) -> TransferPlan:
     t0 = time.perf_counter()
     opts = options or PlanOptions()
     writers, readers = tuple(writers), tuple(readers)
     _check_participants(writers, readers)
-    _, specs, src_dtypes, wmaps, rmaps = _merge_tensors(writers, readers, opts)
+    specs, src_dtypes, wmaps, rmaps = _merge_tensors(writers, readers, opts)
     ndim = max([lay.pieces.ndim for lay in (*writers, *readers)] + [1])
     for lay in (*writers, *readers):
-        ndim = max(ndim, max((len(t.shape) for t in lay.locals), default=1))
-    shapes = np.ones((len(specs), ndim), np.int64)
-    for i, s in enumerate(specs):
-        if s.shape:
-            shapes[i, ndim - len(s.shape) :] = s.shape
+        ndim = max(ndim, max(map(len, map(_SHAPE, lay.locals)), default=1))
+    shapes = _shape_table([s.shape for s in specs], ndim)
     wire_size = np.array([itemsize(s.dtype) for s in specs], np.int64)
 
     _check_local_dtypes(writers)
@@ -609,7 +707,8 @@ def make_plan(
         spec = specs[dst_t[d]]
         nd = len(spec.shape)
         held = [
-            _fmt_box(reg.start[x], reg.stop[x], nd) for x in np.flatnonzero(reg.tensor == dst_t[d])[:8]
+            _fmt_box(reg.start[x], reg.stop[x], nd)
+            for x in np.flatnonzero(reg.tensor == dst_t[d])[:8]
         ]
         raise LayoutError(
             f"{_who(readers, r.part[row])} needs {_fmt_box(dst_s[d], dst_e[d], nd)} of {spec.name} "
@@ -644,11 +743,12 @@ def make_plan(
     rrow, region, tens = rrow[src_idx], region[src_idx], tens[src_idx]
     nbytes = volume(rs, re_) * wire_size[tens]
 
-    wrow = _assign_holders(region, nbytes, [r.part[rrow], tens, rs], reg, w, sig_reg, counts)
+    wrow = _assign_holders(region, nbytes, reg, w, sig_reg, counts)
     src, dst = w.part[wrow], r.part[rrow]
 
-    # bucket by link in fixed order, then number buckets wave by wave
-    order = lexsort_rows(src, dst, tens, rs)
+    # bucket by link, keeping the fixed route order within a link; number buckets wave by wave
+    link_key = (src.astype(np.int64) * len(readers) + dst) << 40 | np.arange(len(src), dtype=np.int64)
+    order = np.argsort(link_key)
     src, dst, tens, rs, re_ = src[order], dst[order], tens[order], rs[order], re_[order]
     wrow, rrow, nbytes = wrow[order], rrow[order], nbytes[order]
     padded = -(-nbytes // opts.align) * opts.align
@@ -695,7 +795,7 @@ def make_plan(
         count=b_count[exec_order],
     )
     stats = _stats(routes, buckets, len(writers), len(readers), time.perf_counter() - t0)
-    digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts)
+    digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts, ndim)
     plan = TransferPlan(
         writers=writers,
         readers=readers,
@@ -714,7 +814,9 @@ def make_plan(
 def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float) -> PlanStats:
     wb = np.bincount(routes.src, weights=routes.nbytes, minlength=n_w).astype(np.int64)
     rb = np.bincount(routes.dst, weights=routes.nbytes, minlength=n_r).astype(np.int64)
-    link = np.bincount(routes.src.astype(np.int64) * n_r + routes.dst, weights=routes.nbytes, minlength=n_w * n_r)
+    link = np.bincount(
+        routes.src.astype(np.int64) * n_r + routes.dst, weights=routes.nbytes, minlength=n_w * n_r
+    )
     links = tuple((int(i // n_r), int(i % n_r), int(link[i])) for i in np.flatnonzero(link))
     active_w = wb[wb > 0]
 
@@ -734,18 +836,21 @@ def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float)
     )
 
 
-def _digest(writers, readers, specs, src_dtypes, routes: Routes, buckets: Buckets, opts: PlanOptions) -> str:
+def _digest(
+    writers, readers, specs, src_dtypes, routes: Routes, buckets: Buckets, opts: PlanOptions, ndim: int
+) -> str:
     h = hashlib.sha256()
     h.update(b"weightbus.plan/1\0")
     h.update(opts.key().encode())
     for lay in (*writers, *readers):
         p = lay.participant
-        h.update(f"\0{p.role}|{p.rank}|{p.name}|{p.host}|{p.device}".encode())
-        for lt in lay.locals:
-            h.update(f"|{lt.key}:{lt.shape}:{lt.dtype}".encode())
-    for s, sd in zip(specs, src_dtypes, strict=True):
-        h.update(f"\0{s.name}|{s.shape}|{sd}|{s.dtype}".encode())
-    for f in _ROUTE_FIELDS:
+        h.update(f"\0{p.role}|{p.rank}|{p.name}|{p.host}|{p.device}\0".encode())
+        h.update("|".join(map(_KEY, lay.locals)).encode())
+        h.update(_local_shapes(lay, ndim).tobytes())
+        h.update("|".join(map(_DTYPE, lay.locals)).encode())
+    h.update(repr([(s.name, s.shape, sd, s.dtype) for s, sd in zip(specs, src_dtypes, strict=True)]).encode())
+    # the other route columns follow from these and the layouts
+    for f in ("src", "dst", "tensor", "start", "stop", "bucket", "offset"):
         a = getattr(routes, f)
         h.update(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes())
     for f in Buckets.__dataclass_fields__:

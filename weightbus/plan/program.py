@@ -43,6 +43,8 @@ class BucketOp:
     bucket: int
     peer: int
     """Reader index (for a writer's op) or writer index (for a reader's op)."""
+    peer_global: int
+    """The peer's index among all participants: writers first, then readers."""
     wave: int
     nbytes: int
     copies: tuple[Copy, ...]
@@ -55,7 +57,9 @@ def build_program(plan: TransferPlan, role: str, index: int) -> tuple[BucketOp, 
     layout = (plan.writers if role == "writer" else plan.readers)[index]
     routes, buckets = plan.routes, plan.buckets
     key_col, local_col = (
-        (routes.src_key, routes.src_local) if role == "writer" else (routes.dst_key, routes.dst_local)
+        (routes.src_key, routes.src_local)
+        if role == "writer"
+        else (routes.dst_key, routes.dst_local)
     )
     peer_col = buckets.dst if role == "writer" else buckets.src
     wire = [torch_dtype(t.dtype) for t in plan.tensors]
@@ -84,6 +88,7 @@ def build_program(plan: TransferPlan, role: str, index: int) -> tuple[BucketOp, 
             BucketOp(
                 bucket=b,
                 peer=int(peer_col[b]),
+                peer_global=int(peer_col[b]) + (len(plan.writers) if role == "writer" else 0),
                 wave=int(buckets.wave[b]),
                 nbytes=int(buckets.nbytes[b]),
                 copies=tuple(copies),
