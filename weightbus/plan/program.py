@@ -101,14 +101,17 @@ def _wire_view(buf: torch.Tensor, c: Copy) -> torch.Tensor:
     return buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape)
 
 
+@torch.no_grad()
 def pack(op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
     """Copy (and cast) a writer's regions into the bucket's bytes ``buf`` (uint8, contiguous)."""
     for c in op.copies:
         _wire_view(buf, c).copy_(tensors[c.key][c.index])
 
 
+@torch.no_grad()
 def unpack(op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
-    """Copy (and cast) the bucket's bytes into a reader's live tensors, in place."""
+    """Copy (and cast) the bucket's bytes into a reader's live tensors, in place (parameters
+    that require grad included: the engine's autograd state is not touched)."""
     for c in op.copies:
         tensors[c.key][c.index].copy_(_wire_view(buf, c))
 

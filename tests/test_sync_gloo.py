@@ -1,0 +1,222 @@
+"""End to end over gloo: real processes, Writer.sync -> Reader.wait, checked bit for bit.
+
+Writers hold FSDP2-style DTensors (``Shard(0)`` on a 2-rank CPU mesh, their own process group);
+readers hold vLLM-style tensor-parallel engine tensors (fused qkv / gate_up, column and row
+parallel, padded vocab). Reader tensors are poisoned before every sync.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+import zlib
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+STEPS = 20
+
+
+def _canonical(model, version: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    out = {}
+    for t in model.tensors:
+        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()) * 1000 + version)
+        out[t.name] = torch.randn(t.shape, generator=g).to(dtype)
+    return out
+
+
+def _configs(port: int, n_w: int, n_r: int):
+    from weightbus import ControlConfig, SyncConfig
+
+    control = ControlConfig(
+        num_writers=n_w,
+        num_readers=n_r,
+        address=f"127.0.0.1:{port}",
+        host_store=False,
+        job="test",
+        timeout=timedelta(seconds=60),
+        heartbeat_interval=timedelta(seconds=0.2),
+        heartbeat_timeout=timedelta(seconds=2),
+    )
+    sync = SyncConfig(
+        cast={"float32": "bfloat16"},
+        bucket_bytes=1 << 20,
+        staging_buffers=2,
+        sync_timeout=timedelta(seconds=30),
+        step_timeout=timedelta(seconds=60),
+        transport="gloo",
+    )
+    return control, sync
+
+
+def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        import weightbus.writer
+        from weightbus import Participant, Writer
+        from weightbus.layouts.dtensor import bind_dtensors
+        from weightbus.layouts.families import model_spec
+        from weightbus.plan import fill_from_canonical
+
+        torch.set_num_threads(1)
+        # the trainer's own process group, separate from weightbus' control plane
+        store = dist.PrefixStore("trainer", dist.TCPStore("127.0.0.1", port, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n_w)
+        mesh = init_device_mesh("cpu", (n_w,))
+        model = model_spec("tiny-llama")
+        canon = _canonical(model, 0)
+        skip = "model.norm.weight" if mode == "missing" else None
+        named = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in canon.items() if n != skip}
+        bound = bind_dtensors(named, Participant(role="writer", rank=rank))
+        if mode == "kill_writer" and rank == 1:
+            real_pack, calls = weightbus.writer.pack, [0]
+
+            def pack(op, tensors, buf):
+                calls[0] += 1
+                if writer.version == 2 and calls[0] > 1:
+                    os._exit(17)  # dies in the middle of sync 3
+                real_pack(op, tensors, buf)
+
+            weightbus.writer.pack = pack
+        control, sync = _configs(port, n_w, n_r)
+        writer = Writer(bound, control, sync)
+        writer.connect()
+        for v in range(1, STEPS + 1):
+            fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
+            writer.sync(v)
+        writer.close()
+        q.put((f"writer-{rank}", "ok", ""))
+    except BaseException as exc:
+        q.put((f"writer-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
+    try:
+        import weightbus.reader
+        from weightbus import BoundLayout, Participant, Reader
+        from weightbus.layouts.families import PRESETS, model_spec
+        from weightbus.layouts.fused import engine_layout
+        from weightbus.plan import allocate, fill_from_canonical, poison
+
+        torch.set_num_threads(1)
+        config = dict(PRESETS["tiny-llama"])
+        if mode == "shape":
+            config["intermediate_size"] = 96
+        model = model_spec(config)
+        layout = engine_layout(model, Participant(role="reader", rank=rank), tp=n_r, tp_rank=rank, dtype="bfloat16")
+        tensors = allocate(layout)
+        ids = {k: id(t) for k, t in tensors.items()}
+        if mode == "kill_reader" and rank == 1:
+            real_unpack = weightbus.reader.unpack
+
+            def unpack(op, t, buf):
+                if reader.version == 2:
+                    os._exit(17)  # dies in the middle of sync 3
+                real_unpack(op, t, buf)
+
+            weightbus.reader.unpack = unpack
+        control, sync = _configs(port, n_w, n_r)
+        reader = Reader(BoundLayout(layout=layout, tensors=tensors), control, sync)
+        reader.connect()
+        seen, bad = [], []
+        for _ in range(STEPS):
+            for t in tensors.values():
+                poison(t)
+            result = reader.wait()
+            seen.append(result.version)
+            want = allocate(layout)
+            fill_from_canonical(layout, _canonical(model, result.version, torch.bfloat16), want)
+            for k in want:
+                a, b = tensors[k].view(torch.uint8), want[k].view(torch.uint8)
+                if not torch.equal(a, b):
+                    bad.append((result.version, k))
+        reader.close()
+        if any(id(t) != ids[k] for k, t in tensors.items()):
+            bad.append("engine tensors were replaced")
+        status = "ok" if not bad and seen == list(range(1, STEPS + 1)) else "wrong"
+        q.put((f"reader-{rank}", status, f"versions {seen} mismatches {bad[:5]}"))
+    except BaseException as exc:
+        q.put((f"reader-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+def _run(mode: str, n_w: int = 2, n_r: int = 2, limit: float = 150.0) -> tuple[dict, float]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(r, store.port, n_w, n_r, mode, q)) for r in range(n_w)]
+    procs += [ctx.Process(target=_reader, args=(r, store.port, n_w, n_r, mode, q)) for r in range(n_r)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = t0 + limit
+    try:
+        while len(results) < len(procs) and time.monotonic() < deadline:
+            try:
+                name, status, text = q.get(timeout=0.5)
+                results[name] = (status, text, time.monotonic() - t0)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        assert not hung, f"processes left hanging: {hung}; results {results}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return results, time.monotonic() - t0
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_dtensor_writers_to_tensor_parallel_readers_20_syncs():
+    results, _ = _run("ok")
+    assert set(results) == {"writer-0", "writer-1", "reader-0", "reader-1"}, results
+    for name, (status, text, _) in results.items():
+        assert status == "ok", (name, text)
+
+
+@pytest.mark.timeout(200)
+def test_reader_killed_mid_sync_makes_writers_raise_naming_it():
+    results, elapsed = _run("kill_reader")
+    assert "reader-1" not in results  # it died without a word
+    for name in ("writer-0", "writer-1", "reader-0"):
+        status, text, t = results[name]
+        assert status in ("PeerFailure", "SyncTimeout"), (name, status, text)
+        assert "reader-1" in text.splitlines()[0], (name, text)
+    assert elapsed < 100
+
+
+@pytest.mark.timeout(200)
+def test_writer_killed_mid_sync_makes_readers_raise_naming_it():
+    results, elapsed = _run("kill_writer")
+    assert "writer-1" not in results
+    for name in ("reader-0", "reader-1", "writer-0"):
+        status, text, t = results[name]
+        assert status in ("PeerFailure", "SyncTimeout"), (name, status, text)
+        assert "writer-1" in text.splitlines()[0], (name, text)
+    assert elapsed < 100
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("missing", "expects model.norm.weight (64,) bfloat16, but no writer holds it"),
+        ("shape", "has shape (96, 64), writer 'writer-0' has (128, 64)"),
+    ],
+)
+def test_layout_errors_raise_at_connect_on_both_sides(mode, message):
+    results, _ = _run(mode)
+    assert set(results) == {"writer-0", "writer-1", "reader-0", "reader-1"}, results
+    for name, (status, text, _) in results.items():
+        assert status == "LayoutError", (name, status, text)
+        assert message in text, (name, text)

@@ -1,0 +1,199 @@
+"""What writers and readers share: configuration, connect (layouts -> plan -> transport), results."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from weightbus.control.store import ControlConfig, ControlPlane
+from weightbus.errors import PeerFailure, WeightbusError
+from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
+from weightbus.plan.program import BucketOp
+from weightbus.spec import BoundLayout
+from weightbus.transports.base import Transport, select_transport
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(bytes_done, bytes_total)`` while a sync runs."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncConfig:
+    """How syncs run; writers and readers of one job must use equal plan-related fields."""
+
+    bucket_bytes: int = 64 * MiB
+    """Largest bucket: the size of one staging buffer."""
+    staging_buffers: int = 4
+    """Staging buffers per participant; staging memory is at most this x bucket_bytes."""
+    cast: Mapping[str, str] = field(default_factory=dict)
+    """Dtype changes on the wire, writer dtype -> reader dtype, e.g. {"float32": "bfloat16"}."""
+    ignore_unread: tuple[str, ...] = ()
+    """fnmatch patterns of writer tensors no reader needs."""
+    transport: str = "auto"
+    """Transport name ("gloo", ...) or "auto" to choose per link from hosts and devices."""
+    sync_timeout: timedelta = timedelta(minutes=5)
+    """Longest one sync may take once it started, on any participant."""
+    connect_timeout: timedelta = timedelta(minutes=5)
+    """Longest connect may wait for the other participants."""
+    step_timeout: timedelta = timedelta(minutes=30)
+    """Longest a reader waits for the next sync to begin (a training step and its rollouts)."""
+
+    def __post_init__(self) -> None:
+        if self.staging_buffers < 1:
+            raise ValueError(f"staging_buffers={self.staging_buffers} must be at least 1")
+        if self.bucket_bytes < 1 * MiB:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} is below 1 MiB: use 16-256 MiB")
+        for name in ("sync_timeout", "connect_timeout", "step_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, timedelta) or v.total_seconds() <= 0:
+                raise ValueError(f"{name}={v!r} must be a positive datetime.timedelta")
+        object.__setattr__(self, "ignore_unread", tuple(self.ignore_unread))
+
+    def plan_options(self) -> PlanOptions:
+        return PlanOptions(
+            bucket_bytes=self.bucket_bytes, cast=dict(self.cast), ignore_unread=self.ignore_unread
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncResult:
+    """One sync as seen by one participant."""
+
+    participant: str
+    version: int
+    bytes: int
+    """Bytes this participant sent (writer) or received (reader)."""
+    seconds: float
+    """Wall time of the whole sync on this participant."""
+    phases: dict[str, float]
+    """Seconds per phase: plan (re-planning during the sync), pack, transfer, unpack, control."""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        ph = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.phases.items())
+        return (
+            f"{self.participant} v{self.version}: {self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms "
+            f"({self.gbps:.2f} GB/s) {ph}"
+        )
+
+
+class _Session:
+    """Connect-time work common to :class:`~weightbus.Writer` and :class:`~weightbus.Reader`."""
+
+    role: str
+
+    def __init__(
+        self, bound: BoundLayout, control: ControlConfig, config: SyncConfig | None = None
+    ) -> None:
+        if bound.layout.role != self.role:
+            raise ValueError(
+                f"{type(self).__name__} needs a {self.role} layout, got {bound.layout.role} "
+                f"{bound.layout.name!r}: build the layout with role={self.role!r}"
+            )
+        self.bound = bound
+        self.config = config or SyncConfig()
+        self.control = ControlPlane(bound.layout.participant, control)
+        self.plan: TransferPlan | None = None
+        self.ops: tuple[BucketOp, ...] = ()
+        self.transport: Transport | None = None
+        self._staging: list[torch.Tensor] = []
+        self._seq = 0
+        self._closed = False
+        self.plan_seconds = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.bound.layout.name
+
+    def connect(self) -> TransferPlan:
+        """Register, exchange layouts, plan, agree on the plan digest, build the transport.
+
+        A layout disagreement raises :class:`~weightbus.spec.LayoutError` here, on every
+        participant, before any byte moves.
+        """
+        t0 = time.perf_counter()
+        try:
+            self.control.connect()
+            writers, readers = self.control.exchange_layouts(self.bound.layout)
+            plan = make_plan(writers, readers, self.config.plan_options())
+            self.plan_seconds = time.perf_counter() - t0
+            self.control.agree("plan", plan.digest)
+            index = self.bound.layout.rank
+            self.ops = build_program(plan, self.role, index)
+            self.transport = select_transport(
+                self.config.transport, plan, self.bound.layout.participant
+            )
+            self.transport.connect(self.control, plan.participants)
+            device = _device_of(self.bound)
+            largest = max((op.nbytes for op in self.ops), default=0)
+            n = min(self.config.staging_buffers, len(self.ops))
+            self._staging = [
+                torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
+            ]
+            self.transport.register(self._staging)
+            self.plan = plan
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        logger.info(
+            "%s connected: %d buckets, %.1f MB per sync on this %s; plan %s (%s); transport %s",
+            self.name,
+            len(self.ops),
+            sum(op.nbytes for op in self.ops) / 1e6,
+            self.role,
+            plan.digest[:12],
+            plan.stats.summary(),
+            self.transport.name,
+        )
+        return plan
+
+    def _fail(self, exc: BaseException) -> None:
+        """Tell every other participant, unless the failure came from one of them."""
+        if isinstance(exc, PeerFailure):
+            return
+        try:
+            self.control.fail(f"{type(exc).__name__}: {exc}")
+        except Exception:  # the control plane itself may be what failed
+            logger.debug("could not report failure of %s", self.name, exc_info=True)
+
+    def _require_connected(self) -> None:
+        if self.plan is None:
+            raise WeightbusError(f"{self.name}: call connect() before syncing")
+        if self._closed:
+            raise WeightbusError(f"{self.name}: closed")
+
+    def close(self) -> None:
+        """Tear down the transport and leave the control plane. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+        self.control.close()
+
+    def __enter__(self):
+        self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _device_of(bound: BoundLayout) -> torch.device:
+    devices = {t.device for t in bound.tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{bound.layout.name}: local tensors span several devices {sorted(map(str, devices))}"
+        )
+    return devices.pop() if devices else torch.device("cpu")

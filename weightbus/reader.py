@@ -1,0 +1,111 @@
+"""The inference side: ``Reader.wait()`` receives each new version in place into the engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+
+from weightbus._session import SyncResult, _Session
+from weightbus.errors import WeightbusError
+from weightbus.plan.program import unpack
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Reader"]
+
+
+class Reader(_Session):
+    """One inference participant (one process, one device), writing into the engine's live
+    tensors in place: the engine keeps its tensor objects.
+
+    >>> reader = Reader(bound, ControlConfig(addr="trainer0:29600", num_writers=2, num_readers=2))
+    >>> reader.connect()
+    >>> while True:
+    ...     result = reader.wait()          # blocks until the trainer's next sync is committed
+    ...     generate_with(result.version)
+    """
+
+    role = "reader"
+
+    def __init__(
+        self, *args, on_version: Callable[[SyncResult], None] | None = None, **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.version: int | None = None
+        """The version the engine's tensors hold (committed), None before the first sync."""
+        self.on_version = on_version
+
+    def wait(self, timeout: timedelta | None = None) -> SyncResult:
+        """Receive the next sync; return once it is committed (every reader has it).
+
+        ``timeout`` bounds the wait for the sync to *begin* (default ``step_timeout``); the
+        sync itself is bounded by ``sync_timeout``.
+        """
+        self._require_connected()
+        cfg, control, transport = self.config, self.control, self.transport
+        seq = self._seq
+        phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
+        try:
+            begins = control.gather(
+                f"begin/{seq}", role="writer", timeout=timeout or cfg.step_timeout
+            )
+            t_start = time.perf_counter()
+            versions = {b["version"] for b in begins.values()}
+            if len(versions) != 1:
+                raise WeightbusError(
+                    f"writers began different versions {sorted(versions)}: {begins}"
+                )
+            version = versions.pop()
+            if self.version is not None and version <= self.version:
+                raise WeightbusError(
+                    f"{self.name}: writers sent version {version}, not newer than {self.version}"
+                )
+            total = sum(op.nbytes for op in self.ops)
+            pending: deque = deque()
+            free = deque(self._staging)
+            tensors = self.bound.tensors
+            for op in self.ops:
+                if not free:
+                    free.append(self._drain_one(pending, tensors, phases))
+                buf = free.popleft()
+                pending.append(
+                    (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
+                )
+            while pending:
+                self._drain_one(pending, tensors, phases)
+            t = time.perf_counter()
+            control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
+            control.gather(
+                f"commit/{seq}", names=[self.plan.writers[0].name], timeout=cfg.sync_timeout
+            )
+            phases["control"] += time.perf_counter() - t
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._seq += 1
+        self.version = version
+        result = SyncResult(
+            participant=self.name,
+            version=version,
+            bytes=total,
+            seconds=time.perf_counter() - t_start,
+            phases=phases,
+        )
+        logger.info("sync %s", result.line())
+        if self.on_version is not None:
+            self.on_version(result)
+        return result
+
+    def _drain_one(self, pending: deque, tensors, phases: dict[str, float]):
+        """Wait for the oldest receive, unpack it; return its staging buffer."""
+        handle, op, buf = pending.popleft()
+        t = time.perf_counter()
+        self.transport.wait([handle], self.config.sync_timeout)
+        phases["transfer"] += time.perf_counter() - t
+        t = time.perf_counter()
+        unpack(op, tensors, buf[: op.nbytes])
+        phases["unpack"] += time.perf_counter() - t
+        return buf

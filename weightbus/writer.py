@@ -1,0 +1,104 @@
+"""The trainer side: after each optimizer step, ``Writer.sync(version)`` sends the new weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from weightbus._session import Progress, SyncResult, _Session
+from weightbus.errors import WeightbusError
+from weightbus.plan.program import pack
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Writer"]
+
+
+class Writer(_Session):
+    """One trainer participant (one process, one device).
+
+    >>> writer = Writer(bound, ControlConfig(addr="trainer0:29600", num_writers=2, num_readers=2))
+    >>> writer.connect()               # every writer and reader connects; plans once
+    >>> result = writer.sync(step)     # after each optimizer step
+    """
+
+    role = "writer"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.version: int | None = None
+
+    def sync(self, version: int, *, progress: Progress | None = None) -> SyncResult:
+        """Send this writer's share of the weights as ``version``; return once every reader
+        has received and acknowledged it and the version is committed.
+
+        Raises :class:`~weightbus.errors.PeerFailure` naming a participant that failed or
+        died, :class:`~weightbus.errors.SyncTimeout` after ``sync_timeout``.
+        """
+        self._require_connected()
+        version = int(version)
+        if self.version is not None and version <= self.version:
+            raise ValueError(
+                f"{self.name}: version {version} must be greater than the last, {self.version}"
+            )
+        cfg, control, transport = self.config, self.control, self.transport
+        seq = self._seq
+        timeout = cfg.sync_timeout
+        phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
+        t_start = time.perf_counter()
+        try:
+            control.post(f"begin/{seq}", {"version": version})
+            total = sum(op.nbytes for op in self.ops)
+            done = 0
+            free = deque(self._staging)
+            inflight: deque = deque()
+            tensors = self.bound.tensors
+            for op in self.ops:
+                if not free:
+                    t = time.perf_counter()
+                    handle, buf = inflight.popleft()
+                    transport.wait([handle], timeout)
+                    phases["transfer"] += time.perf_counter() - t
+                    free.append(buf)
+                buf = free.popleft()
+                t = time.perf_counter()
+                view = buf[: op.nbytes]
+                pack(op, tensors, view)
+                phases["pack"] += time.perf_counter() - t
+                inflight.append((transport.send(op.peer_global, view, op.bucket), buf))
+                done += op.nbytes
+                if progress is not None:
+                    progress(done, total)
+            t = time.perf_counter()
+            transport.wait([h for h, _ in inflight], timeout)
+            phases["transfer"] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            acks = control.gather(f"ack/{seq}", role="reader", timeout=timeout)
+            bad = {
+                name: a
+                for name, a in acks.items()
+                if a.get("version") != version or not a.get("ok")
+            }
+            if bad:
+                raise WeightbusError(
+                    f"{self.name}: readers did not confirm version {version}: {bad}"
+                )
+            if self.bound.layout.rank == 0:
+                control.post(f"commit/{seq}", {"version": version})
+            phases["control"] += time.perf_counter() - t
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._seq += 1
+        self.version = version
+        result = SyncResult(
+            participant=self.name,
+            version=version,
+            bytes=total,
+            seconds=time.perf_counter() - t_start,
+            phases=phases,
+        )
+        logger.info("sync %s", result.line())
+        return result
