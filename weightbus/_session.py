@@ -108,6 +108,7 @@ class _Session:
         self.ops: tuple[BucketOp, ...] = ()
         self.transport: Transport | None = None
         self._staging: list[torch.Tensor] = []
+        self._device = torch.device("cpu")
         self._seq = 0
         self._closed = False
         self.plan_seconds = 0.0
@@ -135,7 +136,7 @@ class _Session:
                 self.config.transport, plan, self.bound.layout.participant
             )
             self.transport.connect(self.control, plan.participants)
-            device = _device_of(self.bound)
+            device = self._device = _device_of(self.bound)
             largest = max((op.nbytes for op in self.ops), default=0)
             n = min(self.config.staging_buffers, len(self.ops))
             self._staging = [

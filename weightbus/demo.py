@@ -138,7 +138,10 @@ def _trainer(rank: int, args) -> None:
     if args.trainers > 1:
         host, port = args.store.rsplit(":", 1)
         store = dist.PrefixStore("trainer-pg", dist.TCPStore(host, int(port), is_master=False))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=args.trainers)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=args.trainers)
     torch.manual_seed(0)
     model = LlamaForCausalLM(_llama_config(args.size)).to(device)
     if args.trainers > 1:
@@ -260,14 +263,17 @@ def run(args) -> int:
     import torch.distributed as dist
 
     if args.device == "auto":
-        # the GPU transports come with the GPU data plane; until then the demo runs on CPU
-        args.device = "cpu"
+        need = args.trainers + args.replicas
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        args.device = "cuda" if have >= need else "cpu"
+        if 0 < have < need:
+            print(f"({have} GPUs for {need} processes, one GPU each is needed: running on CPU)")
     h, i, n, heads, kv, vocab = MODEL_SIZES[args.size]
     params = vocab * h + n * (2 * h * h + 2 * h * (h // heads) * kv + 3 * h * i + 2 * h) + h
     print(
         f"weightbus demo: Llama-style model, {params / 1e6:.1f}M parameters ({n} layers, hidden {h}, "
         f"GQA {heads}/{kv} heads, tied embeddings)\n"
-        f"  trainer: {args.trainers} process(es){' with FSDP2 over gloo' if args.trainers > 1 else ''}, float32 "
+        f"  trainer: {args.trainers} process(es){' with FSDP2' if args.trainers > 1 else ''}, float32 "
         f"master weights, AdamW\n"
         f"  inference: {args.replicas} Hugging Face transformers replica(s), bfloat16 (cast on the wire)\n"
         f"  device: {args.device}; {args.steps} steps, sync after each",

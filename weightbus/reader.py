@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
+
 from weightbus._session import SyncResult, _Session
 from weightbus.errors import WeightbusError
 from weightbus.plan.program import unpack
@@ -76,6 +78,12 @@ class Reader(_Session):
                 )
             while pending:
                 self._drain_one(pending, tensors, phases)
+            if self._device.type == "cuda":
+                # unpack kernels are queued on this stream: the bytes are in place only once
+                # they ran, and only then may this reader acknowledge
+                t = time.perf_counter()
+                torch.cuda.current_stream(self._device).synchronize()
+                phases["unpack"] += time.perf_counter() - t
             t = time.perf_counter()
             control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
             control.gather(

@@ -6,6 +6,7 @@ import sys
 
 SCENARIOS = {
     "plan": "planner scale: DeepSeek-V3-shaped model, 256 writers -> 128 readers, one CPU core",
+    "gpu": "syncs between GPUs of this host (S1, S2, S4) beside measured ceilings; needs CUDA",
 }
 
 
@@ -20,4 +21,6 @@ def main(argv: list[str] | None = None) -> int:
         from weightbus.bench import plan_scale
 
         return plan_scale.main(argv[1:])
-    return 2
+    from weightbus.bench import gpu
+
+    return gpu.main(argv[1:])

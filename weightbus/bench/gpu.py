@@ -1,0 +1,391 @@
+"""``weightbus bench gpu``: syncs between GPUs of one host, beside the hardware's ceilings.
+
+    weightbus bench gpu                       # every scenario the GPUs allow, Llama-3-8B shapes
+    weightbus bench gpu --scenarios S1 --model tiny-llama --iters 3
+
+Ceilings are measured in the same run (raw NCCL send/recv and broadcast of the same bytes,
+copy-engine peer copy, same-GPU device copy, pinned host-to-device). Each scenario runs the
+real Writer/Reader in one process per participant: 2 warm-up syncs, then ``--iters`` timed
+syncs (median, min, max), each after a barrier; then one more sync into poisoned (NaN) reader
+tensors, checked bit for bit. Results go to ``bench/results/<date>-<kind>.json`` with a plot.
+
+Scenarios (names from the project's bench guide):
+  S1  1 writer GPU -> 1 reader GPU (whole model; reader holds vLLM-style fused parameters)
+  S2  1 writer GPU -> 3 reader GPUs, each gets the full model
+  S4  FSDP2 on 2 GPUs -> tensor parallel 2 on 2 other GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+SCENARIOS = {
+    # name: (writer description, reader description, GPUs, target, what the target compares)
+    "S1": ("whole", "vllm:tp=1", 2, 1 / 1.10, "GB/s over the faster of raw NCCL send/recv and peer copy"),
+    "S2": ("whole", "vllm:tp=1,dp=3", 4, 1 / 1.15, "raw NCCL broadcast time over sync time"),
+    "S4": ("fsdp:shard=2", "vllm:tp=2", 4, 0.85, "aggregate GB/s over two raw send/recv links"),
+}
+
+
+def _median(xs: list[float]) -> dict:
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs)}
+
+
+# ---------------------------------------------------------------------------------------------
+# ceilings
+# ---------------------------------------------------------------------------------------------
+
+
+def _time_cuda(fn, iters: int, warmup: int = 2) -> list[float]:
+    import torch
+
+    out = []
+    for i in range(warmup + iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def _ceiling_worker(rank: int, world: int, port: int, nbytes: int, iters: int, q) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(rank)
+        store = dist.PrefixStore("ceilings", dist.TCPStore("127.0.0.1", port, is_master=False))
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        res = {}
+
+        def sendrecv(pairs):
+            def run():
+                ops = []
+                for a, b in pairs:
+                    if rank == a:
+                        ops.append(dist.P2POp(dist.isend, buf, b))
+                    elif rank == b:
+                        ops.append(dist.P2POp(dist.irecv, buf, a))
+                if ops:
+                    for w in dist.batch_isend_irecv(ops):
+                        w.wait()
+
+            return run
+
+        times = _time_cuda(sendrecv([(0, 1)]), iters)
+        dist.barrier()
+        res["nccl_sendrecv"] = times
+        if world >= 4:
+            dist.barrier()
+            res["nccl_two_links"] = _time_cuda(sendrecv([(0, 2), (1, 3)]), iters)
+            dist.barrier()
+            res["nccl_broadcast"] = _time_cuda(lambda: dist.broadcast(buf, 0), iters)
+        dist.barrier()
+        if rank == 0:
+            other = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+            res["ipc_pull"] = _time_cuda(lambda: other.copy_(buf, non_blocking=True), iters)
+            del other
+            half = nbytes // 2
+            a, b = buf[:half], torch.empty(half, dtype=torch.uint8, device="cuda")
+            res["d2d_copy"] = [t * 2 for t in _time_cuda(lambda: b.copy_(a), iters)]  # per full size
+            host = torch.empty(min(nbytes, 4 << 30), dtype=torch.uint8, pin_memory=True)
+            dev = buf[: len(host)]
+            res["h2d_pinned"] = [t * nbytes / len(host) for t in _time_cuda(lambda: dev.copy_(host, non_blocking=True), iters)]
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put(("ceilings", rank, "ok", res))
+    except BaseException as exc:
+        q.put(("ceilings", rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios
+# ---------------------------------------------------------------------------------------------
+
+
+def _canonical(model, device) -> dict:
+    import torch
+
+    out = {}
+    for t in model.tensors:
+        g = torch.Generator(device=device).manual_seed(zlib.crc32(t.name.encode()))
+        out[t.name] = torch.randn(t.shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    return out
+
+
+def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
+    try:
+        import torch
+
+        from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
+        from weightbus.layouts.describe import build_layouts
+        from weightbus.layouts.families import model_spec
+        from weightbus.plan import allocate, fill_from_canonical, poison
+
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+        wdesc, rdesc, *_ = SCENARIOS[args.scenario]
+        model = model_spec(args.model, dtype="bfloat16")
+        layout = build_layouts(model, wdesc if role == "writer" else rdesc, role)[rank]
+        me = Participant(role=role, rank=rank, host=socket.gethostname(), device=str(device))
+        layout = dataclasses.replace(layout, participant=me, _memo={})
+        tensors = allocate(layout, device=device)
+        canon = _canonical(model, device)
+        if role == "writer":
+            fill_from_canonical(layout, canon, tensors)
+            del canon
+        torch.cuda.synchronize()
+        control = ControlConfig(
+            num_writers=args.n_writers,
+            num_readers=args.n_readers,
+            address=f"127.0.0.1:{args.port}",
+            host_store=False,
+            job=f"bench-{args.scenario}",
+            timeout=dt.timedelta(seconds=300),
+        )
+        sync = SyncConfig(
+            bucket_bytes=args.bucket_mb << 20,
+            staging_buffers=args.staging,
+            transport=args.transport,
+            sync_timeout=dt.timedelta(seconds=120),
+            step_timeout=dt.timedelta(seconds=300),
+        )
+        bound = BoundLayout(layout=layout, tensors=tensors)
+        side = Writer(bound, control, sync) if role == "writer" else Reader(bound, control, sync)
+        plan = side.connect()
+        cp = side.control
+        times, bit_exact = [], None
+        total = args.warmup + args.iters + 1
+        for i in range(total):
+            last = i == total - 1
+            if role == "reader" and last:
+                for t in tensors.values():
+                    poison(t)
+                torch.cuda.synchronize()
+            cp.post(f"bench-ready/{i}", {})
+            cp.gather(f"bench-ready/{i}")
+            if role == "writer":
+                result = side.sync(i + 1)
+            else:
+                result = side.wait()
+            if args.warmup <= i < total - 1:
+                times.append(result.seconds)
+        if role == "reader":
+            want = allocate(layout, device=device)
+            fill_from_canonical(layout, canon, want)
+            bit_exact = all(torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+        side.close()
+        q.put(
+            (
+                f"{role}-{rank}",
+                rank,
+                "ok",
+                {"times": times, "bit_exact": bit_exact, "bytes": plan.stats.total_bytes, "phases": result.phases,
+                 "transport": side.transport.name if side.transport else "?"},
+            )
+        )
+    except BaseException as exc:
+        q.put((f"{role}-{rank}", rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run_group(targets: list[tuple], timeout: float) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(*a, q)) for fn, a in targets]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < len(procs) and time.monotonic() < deadline:
+            try:
+                name, rank, status, payload = q.get(timeout=1.0)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+                continue
+            if status != "ok":
+                raise RuntimeError(f"{name}/{rank} failed: {payload}")
+            results[(name, rank)] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if len(results) < len(procs):
+        raise RuntimeError(f"only {len(results)} of {len(procs)} processes reported within {timeout} s")
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    sc = result["scenarios"]
+    names = [s["name"] for s in sc]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [s["ceiling_gbps"] for s in sc], width=0.4, label="ceiling", color="#bbbbbb")
+    ax.bar([i + 0.2 for i in x], [s["gbps"] for s in sc], width=0.4, label="weightbus", color="#3366cc")
+    for i, s in enumerate(sc):
+        ax.text(i + 0.2, s["gbps"], f"{s['ratio']:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"weightbus sync vs ceiling, {result['machine']} ({result['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="weightbus bench gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", default="S1,S4,S2", help="comma-separated (default S1,S4,S2)")
+    p.add_argument("--model", default="llama-3-8b", help="model preset (default llama-3-8b, ~16 GB bf16)")
+    p.add_argument("--iters", type=int, default=5, help="timed syncs per scenario (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up syncs (default 2)")
+    p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB (default 256)")
+    p.add_argument("--staging", type=int, default=4, help="staging buffers per participant (default 4)")
+    p.add_argument("--transport", default="auto", help="transport name or auto")
+    p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--kind", default=None, help="machine kind for the file name (default: from the GPUs)")
+    a = p.parse_args(argv)
+    import torch
+
+    from weightbus.layouts.families import model_spec
+
+    n_gpu = torch.cuda.device_count()
+    if n_gpu < 2:
+        print("weightbus bench gpu: needs at least 2 CUDA GPUs", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=600))
+    model = model_spec(a.model, dtype="bfloat16")
+    nbytes = sum(t.numel for t in model.tensors) * 2
+    name = torch.cuda.get_device_name(0)
+    print(f"weightbus bench gpu: {n_gpu} x {name}, model {a.model} ({nbytes / 1e9:.2f} GB bf16)", flush=True)
+
+    world = min(n_gpu, 4)
+    print(f"ceilings: {world} GPUs, {nbytes / 1e9:.2f} GB each ...", flush=True)
+    c = _run_group([(_ceiling_worker, (r, world, port, nbytes, a.iters)) for r in range(world)], 900)
+    ceil = {}
+    for k, v in c[("ceilings", 0)].items():
+        ceil[k] = statistics.median(v)
+    gbps = {k: nbytes / v / 1e9 for k, v in ceil.items()}
+    gbps["nccl_two_links"] = 2 * nbytes / ceil["nccl_two_links"] / 1e9 if "nccl_two_links" in ceil else None
+    ceilings = {f"{k}_gbps": round(v, 1) for k, v in gbps.items() if v is not None}
+    for k, v in ceilings.items():
+        print(f"  {k:<24} {v:8.1f}", flush=True)
+
+    scenarios = []
+    for sname in [s.strip() for s in a.scenarios.split(",") if s.strip()]:
+        wdesc, rdesc, gpus, target, meaning = SCENARIOS[sname]
+        if gpus > n_gpu:
+            print(f"{sname}: needs {gpus} GPUs, this machine has {n_gpu}: skipped", flush=True)
+            continue
+        from weightbus.layouts.describe import build_layouts
+
+        n_w = len(build_layouts(model, wdesc, "writer"))
+        n_r = len(build_layouts(model, rdesc, "reader"))
+        args = argparse.Namespace(**vars(a), scenario=sname, port=port, n_writers=n_w, n_readers=n_r)
+        print(f"{sname}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
+        targets = [(_participant_worker, ("writer", r, r, args)) for r in range(n_w)]
+        targets += [(_participant_worker, ("reader", r, n_w + r, args)) for r in range(n_r)]
+        res = _run_group(targets, 1200)
+        w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
+        moved = res[("writer-0", 0)]["bytes"]
+        exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))
+        stats = _median(w_times)
+        got = moved / stats["median_s"] / 1e9
+        if sname == "S1":
+            ceiling = max(gbps["nccl_sendrecv"], gbps["ipc_pull"])
+            ratio = got / ceiling
+        elif sname == "S2":
+            ceiling = gbps["nccl_broadcast"] * n_r  # bytes delivered per second by a broadcast
+            ratio = ceil["nccl_broadcast"] / stats["median_s"]
+        else:
+            ceiling = gbps["nccl_two_links"]
+            ratio = got / ceiling
+        entry = {
+            "name": sname,
+            "writers": wdesc,
+            "readers": rdesc,
+            "bytes": moved,
+            **{k: round(v, 5) for k, v in stats.items()},
+            "gbps": round(got, 1),
+            "ceiling_gbps": round(ceiling, 1),
+            "ratio": round(ratio, 3),
+            "target": round(target, 3),
+            "ratio_means": meaning,
+            "bit_exact": exact,
+            "transport": res[("writer-0", 0)]["transport"],
+            "writer_phases_last": {k: round(v, 4) for k, v in res[("writer-0", 0)]["phases"].items()},
+            "reader_phases_last": {k: round(v, 4) for k, v in res[("reader-0", 0)]["phases"].items()},
+        }
+        scenarios.append(entry)
+        print(
+            f"  {sname}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
+            f"[{stats['min_s'] * 1e3:.1f}, {stats['max_s'] * 1e3:.1f}] -> {got:.1f} GB/s, ratio {ratio:.3f} "
+            f"(target {target:.3f}), bit exact {exact}",
+            flush=True,
+        )
+    del server
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    date = dt.date.today().isoformat()
+    kind = a.kind or f"{n_gpu}x{name.split()[-1].lower()}"
+    result = {
+        "date": date,
+        "machine": f"{n_gpu}x {name}",
+        "commit": commit or os.environ.get("WEIGHTBUS_COMMIT", ""),
+        "model": a.model,
+        "bucket_mb": a.bucket_mb,
+        "staging_buffers": a.staging,
+        "iters": a.iters,
+        "ceilings": ceilings,
+        "scenarios": scenarios,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{date}-{kind}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, path.with_suffix(".png"))
+    print(f"results: {path}", flush=True)
+    print(f"{'name':<4} {'GB/s':>8} {'ceiling':>8} {'ratio':>7} {'target':>7} bit-exact")
+    for s in scenarios:
+        print(f"{s['name']:<4} {s['gbps']:>8.1f} {s['ceiling_gbps']:>8.1f} {s['ratio']:>7.3f} {s['target']:>7.3f} {s['bit_exact']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""nccl: GPU bytes between processes over NVLink / PCIe / InfiniBand, through NCCL.
+
+A ``ProcessGroupNCCL`` of its own, built from a ``PrefixStore`` over the control plane's
+TCPStore (never the default process group, so it works beside the trainer's and the engine's
+own groups), one GPU per process, global ranks writers-then-readers.
+
+How a send or receive completes: it is posted on NCCL's stream, the caller's current stream is
+made to wait for it (so a pack into, or unpack from, the same buffer is ordered after it on the
+GPU without blocking the CPU), and a CUDA event recorded there marks it done; one poller thread
+per transport watches those events. A dead peer leaves NCCL kernels spinning: the base class's
+wait notices through the control plane (failure report or stale heartbeat) and :meth:`_abort`
+aborts the communicators, which frees the GPU.
+
+NCCL creates one communicator per pair of ranks on their first send/recv; :meth:`_connect`
+warms up every writer-reader pair in a fixed global order so the first sync pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightbus.spec import Participant
+from weightbus.transports.base import Handle, Transport, register_transport
+
+__all__ = ["NcclTransport"]
+
+logger = logging.getLogger(__name__)
+
+
+def _device(p: Participant) -> torch.device:
+    d = torch.device(p.device)
+    if d.type != "cuda":
+        raise ValueError(f"nccl: participant {p.name!r} is on {p.device}, nccl moves CUDA memory")
+    return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+
+
+class _Poller:
+    """Marks handles done when the CUDA event recorded after their NCCL work completes."""
+
+    def __init__(self, transport: NcclTransport) -> None:
+        self.transport = transport
+        self.items: list[Handle] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="weightbus-nccl-poller", daemon=True)
+        self.thread.start()
+
+    def add(self, handle: Handle) -> None:
+        with self.lock:
+            self.items.append(handle)
+        self.wake.set()
+
+    def _run(self) -> None:
+        while not self.stop:
+            with self.lock:
+                items = list(self.items)
+            if not items:
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            done = []
+            for h in items:
+                native = h.native
+                if native is None or native[1].query():
+                    done.append(h)
+            if done:
+                with self.lock:
+                    self.items = [h for h in self.items if h not in done]
+                for h in done:
+                    self.transport._completed(h)
+            else:
+                time.sleep(50e-6)
+
+
+@register_transport
+class NcclTransport(Transport):
+    """GPU memory between processes on distinct GPUs, on one host or across hosts."""
+
+    name = "nccl"
+    devices = frozenset({"cuda"})
+    cross_host = True
+    same_gpu_zero_copy = False
+    needs_staging = True
+    priority = 10
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(fields.pop("timeout", None))
+        if fields:
+            raise TypeError(f"nccl: unknown options {sorted(fields)}")
+        self._pg: Any = None
+        self._rank = -1
+        self._poller: _Poller | None = None
+        self._device: torch.device | None = None
+
+    @classmethod
+    def unsupported(cls, participants) -> str | None:
+        people = list(participants)
+        if not torch.cuda.is_available() or not dist.is_nccl_available():
+            return "nccl needs CUDA and a PyTorch built with NCCL"
+        if any(torch.device(p.device).type != "cuda" for p in people):
+            return "nccl links CUDA devices only, some participants are on " + ", ".join(
+                sorted({p.device for p in people if torch.device(p.device).type != "cuda"})
+            )
+        seen: dict[tuple[str, str], str] = {}
+        for p in people:
+            key = (p.host, str(_device(p)))
+            if key in seen:
+                return (
+                    f"nccl cannot link two processes on one GPU ({seen[key]!r} and {p.name!r} on "
+                    f"{key[1]} of {key[0]}): use CUDA IPC for colocated participants"
+                )
+            seen[key] = p.name
+        return None
+
+    def _connect(self) -> None:
+        control, roster, me = self.control, self.roster, self.participant
+        assert control is not None and roster is not None and me is not None and self.timeout is not None
+        self._device = _device(me)
+        torch.cuda.set_device(self._device)
+        self._rank = roster.global_rank(me.name)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = self.timeout
+        self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
+        self._poller = _Poller(self)
+        # warm up every writer-reader pair in one global order (pairs sorted by (writer,
+        # reader)), so each pair's communicator exists before the first sync
+        t0 = time.monotonic()
+        one = torch.zeros(1, dtype=torch.uint8, device=self._device)
+        writers = [p for p in roster.all if p.role == "writer"]
+        readers = [p for p in roster.all if p.role == "reader"]
+        for w in writers:
+            for r in readers:
+                if me.name == w.name:
+                    self._pg.send([one], roster.global_rank(r.name), 0).wait()
+                elif me.name == r.name:
+                    self._pg.recv([one], roster.global_rank(w.name), 0).wait()
+        torch.cuda.synchronize(self._device)
+        logger.debug("weightbus nccl: %s connected (rank %d) in %.2f s", me.name, self._rank, time.monotonic() - t0)
+
+    def _issue(self, handle: Handle, buf: torch.Tensor) -> None:
+        assert self._pg is not None and self.roster is not None and self._poller is not None
+        if buf.device != self._device:
+            raise ValueError(f"nccl: buffer on {buf.device}, this participant uses {self._device}")
+        peer = self.roster.global_rank(handle.peer.name)
+        flat = buf.reshape(-1)
+        work = (self._pg.send if handle.op == "send" else self._pg.recv)([flat], peer, 0)
+        work.wait()  # the current stream waits for NCCL's; the CPU does not
+        event = torch.cuda.Event()
+        event.record()
+        handle.native = (work, event, flat)
+        self._poller.add(handle)
+
+    def _send(self, handle: Handle, buf: torch.Tensor) -> None:
+        self._issue(handle, buf)
+
+    def _recv(self, handle: Handle, buf: torch.Tensor) -> None:
+        self._issue(handle, buf)
+
+    def _stop(self) -> None:
+        if self._poller is not None:
+            self._poller.stop = True
+            self._poller.wake.set()
+            self._poller.thread.join(2.0)
+            self._poller = None
+
+    def _close(self) -> None:
+        self._stop()
+        if self._pg is not None:
+            try:
+                self._pg.shutdown()
+            except Exception as e:  # older builds
+                logger.debug("weightbus nccl: shutdown: %s", e)
+            self._pg = None
+
+    def _abort(self, reason: str) -> None:
+        self._stop()
+        if self._pg is not None:
+            try:
+                self._pg.abort()
+            except Exception as e:
+                logger.debug("weightbus nccl: abort: %s", e)
+            self._pg = None
