@@ -59,7 +59,8 @@ def scenarios(draw):
     fuse = draw(st.booleans())
     pad = draw(st.integers(0, 2))
     bucket = draw(st.sampled_from([512, 2048, 1 << 20]))
-    return tensors, wpieces, rpieces, reader_dtype, fuse, pad, bucket
+    direct = draw(st.sampled_from([0, 8, 64, 4 << 20]))
+    return tensors, wpieces, rpieces, reader_dtype, fuse, pad, bucket, direct
 
 
 def _writer_layout(rank, tensors, pieces, pad):
@@ -103,13 +104,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_layouts_reference_execution_is_exact(sc):
-    tensors, wpieces, rpieces, rdtype, fuse, pad, bucket = sc
+    tensors, wpieces, rpieces, rdtype, fuse, pad, bucket, direct = sc
     gen = torch.Generator().manual_seed(1)
     canon = {n: torch.randn(s, generator=gen) for n, s in tensors.items()}
     writers = [_writer_layout(w, tensors, p, pad) for w, p in wpieces.items()]
     readers = [_reader_layout(r, tensors, p, rdtype, fuse, pad) for r, p in rpieces.items()]
     # a tensor no reader wants is allowed here through ignore_unread
-    opts = PlanOptions(bucket_bytes=bucket, cast={"float32": rdtype}, ignore_unread=("t*",))
+    opts = PlanOptions(bucket_bytes=bucket, cast={"float32": rdtype}, ignore_unread=("t*",), direct_bytes=direct)
     plan = make_plan(writers, readers, opts)
 
     wt = [allocate(lay) for lay in writers]  # poisoned: a route reading outside a piece shows
@@ -143,8 +144,11 @@ def test_random_layouts_reference_execution_is_exact(sc):
         # zero redundancy: a reader receives exactly the bytes its pieces cover
         assert plan.stats.reader_bytes[ri] == lay.nbytes
 
-    # buckets respect the budget and hold routes of one link
+    # buckets respect the budget and hold routes of one link; big routes travel alone
     assert (plan.buckets.nbytes <= bucket).all()
+    if direct:
+        big = np.flatnonzero(plan.routes.nbytes >= direct)
+        assert (plan.buckets.count[plan.routes.bucket[big]] == 1).all()
     r = plan.routes
     assert (plan.buckets.src[r.bucket] == r.src).all() and (plan.buckets.dst[r.bucket] == r.dst).all()
 

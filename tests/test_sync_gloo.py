@@ -47,6 +47,7 @@ def _configs(port: int, n_w: int, n_r: int):
         cast={"float32": "bfloat16"},
         bucket_bytes=1 << 20,
         staging_buffers=2,
+        direct_bytes=4096,  # big routes land in place in the readers' tensors
         sync_timeout=timedelta(seconds=30),
         step_timeout=timedelta(seconds=60),
         transport="gloo",

@@ -37,6 +37,8 @@ class SyncConfig:
     """Dtype changes on the wire, writer dtype -> reader dtype, e.g. {"float32": "bfloat16"}."""
     ignore_unread: tuple[str, ...] = ()
     """fnmatch patterns of writer tensors no reader needs."""
+    direct_bytes: int = 4 * MiB
+    """Routes this large travel alone and, where contiguous and needing no cast, in place."""
     transport: str = "auto"
     """Transport name ("gloo", ...) or "auto" to choose per link from hosts and devices."""
     sync_timeout: timedelta = timedelta(minutes=5)
@@ -106,6 +108,8 @@ class _Session:
         self.control = ControlPlane(bound.layout.participant, control)
         self.plan: TransferPlan | None = None
         self.ops: tuple[BucketOp, ...] = ()
+        self.direct: list[torch.Tensor | None] = []
+        """Per op: the live bytes it moves in place (one contiguous region), or None (staged)."""
         self.transport: Transport | None = None
         self._staging: list[torch.Tensor] = []
         self._device = torch.device("cpu")
@@ -137,8 +141,10 @@ class _Session:
             )
             self.transport.connect(self.control, plan.participants)
             device = self._device = _device_of(self.bound)
-            largest = max((op.nbytes for op in self.ops), default=0)
-            n = min(self.config.staging_buffers, len(self.ops))
+            self.direct = [_direct_buffer(op, self.bound.tensors) for op in self.ops]
+            staged = [op.nbytes for op, d in zip(self.ops, self.direct, strict=True) if d is None]
+            largest = max(staged, default=0)
+            n = min(self.config.staging_buffers, len(staged))
             self._staging = [
                 torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
             ]
@@ -148,9 +154,11 @@ class _Session:
             self._fail(exc)
             raise
         logger.info(
-            "%s connected: %d buckets, %.1f MB per sync on this %s; plan %s (%s); transport %s",
+            "%s connected: %d buckets (%d in place), %.1f MB per sync on this %s; plan %s (%s); "
+            "transport %s",
             self.name,
             len(self.ops),
+            sum(d is not None for d in self.direct),
             sum(op.nbytes for op in self.ops) / 1e6,
             self.role,
             plan.digest[:12],
@@ -189,6 +197,17 @@ class _Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _direct_buffer(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The live bytes of a one-route bucket whose region is contiguous and needs no cast."""
+    if len(op.copies) != 1:
+        return None
+    c = op.copies[0]
+    view = tensors[c.key][c.index]
+    if view.dtype != c.dtype or not view.is_contiguous() or c.offset != 0 or c.nbytes != op.nbytes:
+        return None
+    return view.reshape(-1).view(torch.uint8)
 
 
 def _device_of(bound: BoundLayout) -> torch.device:

@@ -181,6 +181,9 @@ def _trainer(rank: int, args) -> None:
                     flush=True,
                 )
 
+        # an RL loop syncs once the engine has finished its rollouts; wait for that here, so
+        # the time below is the sync's own
+        writer.control.gather(f"demo-ready/{step}", role="reader", timeout=timedelta(seconds=args.timeout))
         result = writer.sync(step, progress=progress)
         if rank == 0:
             print(
@@ -225,7 +228,8 @@ def _inference(rank: int, args) -> None:
     model = LlamaForCausalLM(_llama_config(args.size)).to(torch.bfloat16).to(device).eval()
     reader = Reader(bind(model, "reader", rank), _control(args, "reader", rank), _sync_config(args))
     reader.connect()
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
+        reader.control.post(f"demo-ready/{step}", {})
         result = reader.wait()
         _write(
             out,

@@ -69,13 +69,17 @@ class Reader(_Session):
             pending: deque = deque()
             free = deque(self._staging)
             tensors = self.bound.tensors
-            for op in self.ops:
-                if not free:
-                    free.append(self._drain_one(pending, tensors, phases))
+            for op, direct in zip(self.ops, self.direct, strict=True):
+                if direct is not None:
+                    # one contiguous region of a live tensor: received in place, no staging
+                    pending.append((transport.recv(op.peer_global, direct, op.bucket), op, None))
+                    continue
+                while not free:
+                    buf = self._drain_one(pending, tensors, phases)
+                    if buf is not None:
+                        free.append(buf)
                 buf = free.popleft()
-                pending.append(
-                    (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
-                )
+                pending.append((transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf))
             while pending:
                 self._drain_one(pending, tensors, phases)
             if self._device.type == "cuda":
@@ -108,12 +112,14 @@ class Reader(_Session):
         return result
 
     def _drain_one(self, pending: deque, tensors, phases: dict[str, float]):
-        """Wait for the oldest receive, unpack it; return its staging buffer."""
+        """Wait for the oldest receive and unpack it (unless it landed in place); return its
+        staging buffer, or None."""
         handle, op, buf = pending.popleft()
         t = time.perf_counter()
         self.transport.wait([handle], self.config.sync_timeout)
         phases["transfer"] += time.perf_counter() - t
-        t = time.perf_counter()
-        unpack(op, tensors, buf[: op.nbytes])
-        phases["unpack"] += time.perf_counter() - t
+        if buf is not None:
+            t = time.perf_counter()
+            unpack(op, tensors, buf[: op.nbytes])
+            phases["unpack"] += time.perf_counter() - t
         return buf

@@ -54,19 +54,24 @@ class Writer(_Session):
             free = deque(self._staging)
             inflight: deque = deque()
             tensors = self.bound.tensors
-            for op in self.ops:
-                if not free:
+            for op, direct in zip(self.ops, self.direct, strict=True):
+                if direct is not None:
+                    # one contiguous region of a live tensor: sent in place, no staging
+                    inflight.append((transport.send(op.peer_global, direct, op.bucket), None))
+                else:
+                    while not free:
+                        t = time.perf_counter()
+                        handle, buf = inflight.popleft()
+                        transport.wait([handle], timeout)
+                        phases["transfer"] += time.perf_counter() - t
+                        if buf is not None:
+                            free.append(buf)
+                    buf = free.popleft()
                     t = time.perf_counter()
-                    handle, buf = inflight.popleft()
-                    transport.wait([handle], timeout)
-                    phases["transfer"] += time.perf_counter() - t
-                    free.append(buf)
-                buf = free.popleft()
-                t = time.perf_counter()
-                view = buf[: op.nbytes]
-                pack(op, tensors, view)
-                phases["pack"] += time.perf_counter() - t
-                inflight.append((transport.send(op.peer_global, view, op.bucket), buf))
+                    view = buf[: op.nbytes]
+                    pack(op, tensors, view)
+                    phases["pack"] += time.perf_counter() - t
+                    inflight.append((transport.send(op.peer_global, view, op.bucket), buf))
                 done += op.nbytes
                 if progress is not None:
                     progress(done, total)

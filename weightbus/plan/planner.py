@@ -24,10 +24,12 @@ How a plan is made:
    there are holders; run ``j`` goes to holder ``(j + r) % k``, where ``r`` rotates with the
    holder set so rounding remainders do not pile up on one writer. Each holder therefore sends
    its holder set's bytes divided by its size, within one route (at most half a bucket).
-6. Buckets: the routes of each (writer, reader) link, in that fixed order, are packed into
-   buckets of at most ``bucket_bytes`` (each route starts at an aligned offset). Buckets are
-   numbered wave by wave: wave ``w`` holds the ``w``-th bucket of every link, so executing
-   buckets in order keeps every link busy at once.
+6. Buckets: a route of at least ``direct_bytes`` is a bucket of its own (then a side whose
+   region of it is contiguous in memory moves it in place, without staging). The other routes
+   of each (writer, reader) link, in that fixed order, are packed into buckets of at most
+   ``bucket_bytes`` (each route starts at an aligned offset). Buckets are numbered wave by
+   wave: wave ``w`` holds the ``w``-th bucket of every link, so executing buckets in order
+   keeps every link busy at once.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class PlanOptions:
     """fnmatch patterns of writer tensors that no reader needs (e.g. "value_head.*")."""
     align: int = 256
     """Byte alignment of every route inside its bucket."""
+    direct_bytes: int = 4 * MiB
+    """Routes of at least this many bytes get a bucket of their own, so that a side whose region
+    is contiguous sends or receives it in place, without staging; 0 turns this off."""
 
     def __post_init__(self) -> None:
         cast = self.cast.items() if isinstance(self.cast, Mapping) else self.cast
@@ -91,7 +96,10 @@ class PlanOptions:
         return src == dst or (src, dst) in self.cast
 
     def key(self) -> str:
-        return f"bucket={self.bucket_bytes};align={self.align};cast={self.cast};ignore={self.ignore_unread}"
+        return (
+            f"bucket={self.bucket_bytes};align={self.align};direct={self.direct_bytes};"
+            f"cast={self.cast};ignore={self.ignore_unread}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -752,26 +760,41 @@ def _make_plan(
     src, dst, tens, rs, re_ = src[order], dst[order], tens[order], rs[order], re_[order]
     wrow, rrow, nbytes = wrow[order], rrow[order], nbytes[order]
     padded = -(-nbytes // opts.align) * opts.align
+    n = len(src)
     link_first = group_starts([src, dst])
-    link_id = np.repeat(np.arange(len(link_first)), np.diff(np.append(link_first, len(src))))
-    cum = np.cumsum(padded)
+    link_id = np.repeat(np.arange(len(link_first)), np.diff(np.append(link_first, n)))
+    # routes of at least direct_bytes travel alone (a sender or receiver whose region is
+    # contiguous then skips staging); the others are packed into buckets, per link, in order
+    alone = nbytes >= opts.direct_bytes if opts.direct_bytes > 0 else np.zeros(n, bool)
+    packed = np.where(alone, 0, padded)
+    cum = np.cumsum(packed)
     link_base = np.append(0, cum)[link_first][link_id]
-    pos = cum - padded - link_base
-    chunk = pos // limit
-    b_first = group_starts([link_id, chunk])
-    b_count = np.diff(np.append(b_first, len(src)))
-    b_of_route = np.repeat(np.arange(len(b_first)), b_count)
-    offset = pos - pos[b_first][b_of_route]
-    b_bytes = np.add.reduceat(padded, b_first) if len(b_first) else np.zeros(0, np.int64)
-    b_wave = chunk[b_first] - chunk[link_first][link_id[b_first]]
-    b_src, b_dst = src[b_first], dst[b_first]
+    pos = cum - packed - link_base
+    seq = np.arange(n, dtype=np.int64)
+    key = np.where(alone, (1 << 40) + seq, pos // limit)
+    _, b_of_route = np.unique((link_id.astype(np.int64) << 41) | key, return_inverse=True)
+    n_b = int(b_of_route.max()) + 1 if n else 0
+    b_first_route = np.full(n_b, n, np.int64)
+    np.minimum.at(b_first_route, b_of_route, seq)
+    offset = np.where(alone, 0, pos - pos[b_first_route][b_of_route])
+    # a bucket ends where its last route ends (no trailing padding): both sides move exactly this
+    b_bytes = np.zeros(n_b, np.int64)
+    np.maximum.at(b_bytes, b_of_route, offset + nbytes)
+    b_count = np.bincount(b_of_route, minlength=n_b)
+    # wave = the bucket's place in its link, by its first route
+    b_link = link_id[b_first_route]
+    by_first = np.argsort(b_first_route, kind="stable")
+    b_wave = np.empty(n_b, np.int64)
+    link_start = np.searchsorted(b_link[by_first], b_link[by_first], side="left")
+    b_wave[by_first] = np.arange(n_b) - link_start
+    b_src, b_dst = src[b_first_route], dst[b_first_route]
     exec_order = np.lexsort((b_dst, b_src, b_wave))
-    new_id = np.empty(len(b_first), np.int64)
-    new_id[exec_order] = np.arange(len(b_first))
+    new_id = np.empty(n_b, np.int64)
+    new_id[exec_order] = np.arange(n_b)
     bucket = new_id[b_of_route]
     # routes sorted by (bucket, offset)
     rord = np.lexsort((offset, bucket))
-    first = np.searchsorted(bucket[rord], np.arange(len(b_first)))
+    first = np.searchsorted(bucket[rord], np.arange(n_b))
     routes = Routes(
         src=src[rord].astype(np.int32),
         dst=dst[rord].astype(np.int32),
