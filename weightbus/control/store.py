@@ -1,0 +1,972 @@
+"""The control plane: membership, topics, agreement, failures and heartbeats on a TCPStore.
+
+Every participant (writer or reader) opens one :class:`ControlPlane` on a torch.distributed
+``TCPStore`` of its own; the default process group is never touched, so trainer and engine jobs
+keep theirs. One process hosts the store (by default writer rank 0); the others connect as
+clients. All keys sit under ``weightbus/<job>/`` so several jobs can share one store.
+
+Keys, relative to that prefix::
+
+    auth                  sha256 of the shared-secret token (the token itself never travels)
+    counts                "<num_writers>,<num_readers>" as the first participant saw them
+    host                  name of the participant hosting the store
+    member/<role>/<rank>  msgpack: participant + a per-process nonce (claimed with compare_set)
+    name/<name>           "<role>/<rank>" (claimed with compare_set)
+    hb/<name>             heartbeat counter, incremented every heartbeat_interval
+    faillog               names of failed participants, one per line, first failure first
+    fail/<name>           msgpack: the failure text
+    closed/<name>         present once the participant called close()
+    t/<name>/<topic>      one posted value: b"b" + raw bytes, or b"m" + msgpack
+    sub/<kind>/<n>/...    prefixes handed to transports (gloo's rendezvous)
+
+Heartbeats are counters, not timestamps: an observer measures how long a counter has not moved
+on its own monotonic clock, so clocks of different hosts never have to agree.
+
+Lifetime rule: the hosting process must be the last to leave. When it exits, the store goes with
+it and every other participant's next call raises :class:`PeerFailure` ("lost the control
+store"). :meth:`ControlPlane.close` on the host therefore waits (bounded by the timeout) until
+every other participant has closed, failed, or stopped sending heartbeats.
+
+The token is a guard against wiring the wrong jobs together, not authentication against an
+attacker: anyone who can reach the store's port can read and write its keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import torch.distributed as dist
+
+from weightbus.errors import (
+    AccessDenied,
+    MembershipError,
+    PeerFailure,
+    PlanMismatch,
+    SyncTimeout,
+    WeightbusError,
+)
+from weightbus.spec import Layout, Participant
+
+__all__ = [
+    "DEFAULT_STORE_ADDR",
+    "STORE_ADDR_ENV",
+    "TOKEN_ENV",
+    "ControlConfig",
+    "ControlPlane",
+    "Roster",
+]
+
+logger = logging.getLogger(__name__)
+
+STORE_ADDR_ENV = "WEIGHTBUS_STORE_ADDR"
+"""Environment variable holding the control store's ``host:port``."""
+
+TOKEN_ENV = "WEIGHTBUS_TOKEN"
+"""Environment variable holding the job's shared-secret token."""
+
+DEFAULT_STORE_ADDR = "localhost:29700"
+"""Store address when neither the config nor :data:`STORE_ADDR_ENV` gives one."""
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_MAX_ERROR_CHARS = 8000
+_POLL_FIRST_S = 0.001
+_POLL_LAST_S = 0.05
+_CLOSED_CHECK_S = 0.25
+_REPORT_CHECK_S = 0.01
+
+
+def _env_addr() -> str:
+    return os.environ.get(STORE_ADDR_ENV) or DEFAULT_STORE_ADDR
+
+
+def _env_token() -> str | None:
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _split_addr(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> (host, port); ValueError on anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(
+            f"control store address {address!r} is not 'host:port': pass e.g. "
+            f"'10.0.0.1:29700' (config address or ${STORE_ADDR_ENV})"
+        )
+    return host.strip("[]"), int(port)
+
+
+def _positive(name: str, value: object) -> float:
+    if not isinstance(value, timedelta):
+        raise ValueError(
+            f"{name}={value!r} is not a datetime.timedelta: pass e.g. timedelta(seconds=30)"
+        )
+    seconds = value.total_seconds()
+    if seconds <= 0:
+        raise ValueError(f"{name}={value} is not positive: pass e.g. timedelta(seconds=30)")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlConfig:
+    """How a participant reaches the control store and how long it waits there."""
+
+    num_writers: int
+    """Number of writer (trainer-side) participants in the job."""
+    num_readers: int
+    """Number of reader (inference-side) participants in the job."""
+    address: str = field(default_factory=_env_addr)
+    """``host:port`` of the store; default ``$WEIGHTBUS_STORE_ADDR``, else ``localhost:29700``."""
+    host_store: bool | None = None
+    """Whether this process hosts the store; None: writer rank 0 hosts it."""
+    job: str = "default"
+    """Key namespace, so several jobs can share one store."""
+    timeout: timedelta = timedelta(minutes=5)
+    """Default bound on every wait (registration, gather, agree, the host's close)."""
+    heartbeat_interval: timedelta = timedelta(seconds=1)
+    """How often this participant bumps its heartbeat counter."""
+    heartbeat_timeout: timedelta = timedelta(seconds=30)
+    """A participant whose heartbeat has not moved for this long is reported dead."""
+    token: str | None = field(default_factory=_env_token, repr=False)
+    """Shared secret every participant of the job must present; default ``$WEIGHTBUS_TOKEN``."""
+    topic_window: int = 256
+    """Each participant keeps its last this-many posted topics in the store; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_writers", "num_readers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        _split_addr(self.address)
+        if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
+            raise ValueError(
+                f"job={self.job!r} must be a non-empty name of letters, digits, '.', '_' or '-'"
+            )
+        _positive("timeout", self.timeout)
+        interval = _positive("heartbeat_interval", self.heartbeat_interval)
+        limit = _positive("heartbeat_timeout", self.heartbeat_timeout)
+        if limit < 2 * interval:
+            raise ValueError(
+                f"heartbeat_timeout={self.heartbeat_timeout} is less than twice "
+                f"heartbeat_interval={self.heartbeat_interval}: one late beat would read as a "
+                "death; raise heartbeat_timeout or lower heartbeat_interval"
+            )
+        if self.token is not None and not isinstance(self.token, str):
+            raise ValueError("token must be a str or None")
+        if not isinstance(self.topic_window, int) or self.topic_window < 8:
+            raise ValueError(
+                f"topic_window={self.topic_window!r} must be an int >= 8 (topics still being "
+                "gathered would be deleted)"
+            )
+
+    @property
+    def host(self) -> str:
+        return _split_addr(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return _split_addr(self.address)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Roster:
+    """Every participant of a job: writers, then readers, each sorted by rank.
+
+    The global order (``all``) is the rank order transports use. ``writers, readers = roster``
+    unpacks the two roles.
+    """
+
+    writers: tuple[Participant, ...]
+    readers: tuple[Participant, ...]
+
+    @classmethod
+    def of(cls, participants: Iterable[Participant]) -> Roster:
+        """A roster from participants in any order (e.g. ``TransferPlan.participants``)."""
+        people = list(participants)
+        by_role = {
+            role: tuple(sorted((p for p in people if p.role == role), key=lambda p: p.rank))
+            for role in ("writer", "reader")
+        }
+        return cls(writers=by_role["writer"], readers=by_role["reader"])
+
+    def __iter__(self) -> Iterator[tuple[Participant, ...]]:
+        yield self.writers
+        yield self.readers
+
+    @property
+    def all(self) -> tuple[Participant, ...]:
+        return self.writers + self.readers
+
+    @property
+    def size(self) -> int:
+        return len(self.writers) + len(self.readers)
+
+    def names(self, role: str | None = None) -> list[str]:
+        """Names in global order, optionally of one role."""
+        return [p.name for p in self.all if role is None or p.role == role]
+
+    def __getitem__(self, name: str) -> Participant:
+        for p in self.all:
+            if p.name == name:
+                return p
+        raise KeyError(f"no participant named {name!r}; the job has {self.names()}")
+
+    def __contains__(self, name: object) -> bool:
+        return any(p.name == name for p in self.all)
+
+    def global_rank(self, name: str) -> int:
+        """Index in :attr:`all`: writers first by rank, then readers by rank."""
+        for i, p in enumerate(self.all):
+            if p.name == name:
+                return i
+        raise KeyError(f"no participant named {name!r}; the job has {self.names()}")
+
+
+def _who(p: Participant) -> str:
+    return f"{p.role} {p.name!r}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _encode(value: bytes | bytearray | memoryview | dict) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return b"b" + bytes(value)
+    if isinstance(value, dict):
+        return b"m" + msgpack.packb(value, use_bin_type=True)
+    raise TypeError(
+        f"post() takes bytes or a dict (sent as msgpack), got {type(value).__name__}; "
+        "encode other values yourself (never pickle)"
+    )
+
+
+def _decode(data: bytes) -> bytes | dict:
+    kind, body = data[:1], data[1:]
+    if kind == b"b":
+        return body
+    if kind == b"m":
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    raise WeightbusError(f"store value of unknown kind {kind!r}: is another program using the key?")
+
+
+class _Backoff:
+    """Short sleeps for polling: 1 ms growing to 50 ms."""
+
+    def __init__(self) -> None:
+        self.delay = _POLL_FIRST_S
+
+    def sleep(self, until: float) -> None:
+        time.sleep(max(0.0, min(self.delay, until - time.monotonic())))
+        self.delay = min(self.delay * 1.5, _POLL_LAST_S)
+
+
+class ControlPlane:
+    """One participant's handle on the job's control store.
+
+    >>> control = ControlPlane(Participant(role="writer", rank=0), ControlConfig(num_writers=1, num_readers=1))
+    >>> control.connect()                       # register, start heartbeats
+    >>> writers, readers = control.participants()
+    >>> control.post(f"ack/{v}", {"ok": True}); control.gather(f"ack/{v}", role="reader")
+    >>> control.close()
+
+    Thread safety: calls may come from several threads (torch serialises the calls on the one
+    store connection, which the heartbeat thread shares); none of them blocks on the store.
+    """
+
+    def __init__(self, participant: Participant, config: ControlConfig) -> None:
+        if not isinstance(participant, Participant):
+            raise TypeError(f"participant must be a Participant, got {type(participant).__name__}")
+        if not isinstance(config, ControlConfig):
+            raise TypeError(f"config must be a ControlConfig, got {type(config).__name__}")
+        self.participant = participant
+        self.config = config
+        self.hosting = (
+            config.host_store
+            if config.host_store is not None
+            else (participant.role == "writer" and participant.rank == 0)
+        )
+        self._ns = f"weightbus/{config.job}/"
+        self._store: dist.TCPStore | None = None
+        self._address = config.address
+        self._host_name = "the store host"
+        self._roster: Roster | None = None
+        self._lock = threading.RLock()
+        self._connected = False
+        self._closed = False
+        self._failed: str | None = None
+        self._posted: deque[str] = deque()
+        self._posted_set: set[str] = set()
+        self._layout_calls = 0
+        self._substores: dict[str, int] = {}
+        # heartbeat observation: name -> (last counter value, monotonic time it last moved)
+        self._beats: dict[str, tuple[int, float]] = {}
+        self._peers_closed: set[str] = set()
+        self._next_peer_check = 0.0
+        self._next_report_check = 0.0
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "connected" if self._connected else "new"
+        return f"ControlPlane({self.participant.name!r}, job={self.config.job!r}, {self.address}, {state})"
+
+    # -- connection ----------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the store (with the real port when this process hosts on port 0)."""
+        return self._address
+
+    @property
+    def store(self) -> dist.Store:
+        """The raw store client (keys outside ``weightbus/<job>/`` are yours).
+
+        The heartbeat thread shares it: never block on it (``wait``, ``get`` of a missing key),
+        or this participant's heartbeats stop; use :meth:`substore` for blocking work.
+        """
+        if self._store is None:
+            raise WeightbusError(f"{self!r} is not connected: call connect() first")
+        return self._store
+
+    def connect(self) -> ControlPlane:
+        """Open (or host) the store, check the token, register, start heartbeats."""
+        with self._lock:
+            if self._connected:
+                return self
+            if self._closed:
+                raise WeightbusError(f"{self!r} was closed; build a new ControlPlane")
+            p, cfg = self.participant, self.config
+            if "/" in p.name or not p.name.strip() or p.name != p.name.strip():
+                raise MembershipError(
+                    f"participant name {p.name!r} must be non-empty, without '/' or surrounding "
+                    "spaces (it is part of store keys)"
+                )
+            limit = cfg.num_writers if p.role == "writer" else cfg.num_readers
+            if p.rank >= limit:
+                raise MembershipError(
+                    f"{_who(p)} has rank {p.rank} but the job has num_{p.role}s={limit}: "
+                    f"ranks run 0..{limit - 1}; fix the rank or the count"
+                )
+            self._store = self._open_store()
+            try:
+                self._register()
+            except BaseException:
+                self._store = None
+                raise
+            self._connected = True
+            self._start_heartbeat()
+        logger.info(
+            "weightbus control: %s joined job %r at %s%s",
+            _who(self.participant),
+            cfg.job,
+            self.address,
+            " (hosting the store)" if self.hosting else "",
+        )
+        return self
+
+    def _open_store(self) -> dist.TCPStore:
+        host, port = _split_addr(self.config.address)
+        timeout = self.config.timeout
+        if self.hosting:
+            try:
+                store = dist.TCPStore(
+                    host, port, is_master=True, wait_for_workers=False, timeout=timeout
+                )
+            except dist.DistError as e:
+                raise WeightbusError(
+                    f"{_who(self.participant)} could not host the control store on port {port}: "
+                    f"{_first_line(e)}; pick a free port in the address (or ${STORE_ADDR_ENV}) or "
+                    "let another process host it (host_store=False here)"
+                ) from None
+            self._address = f"{self.config.address.rpartition(':')[0]}:{store.port}"
+            return store
+        if port == 0:
+            raise ValueError(
+                f"address {self.config.address!r} has port 0, which only the hosting process can "
+                "use (it picks a free port); pass the host's real port (ControlPlane.address there)"
+            )
+        try:
+            return dist.TCPStore(
+                host, port, is_master=False, wait_for_workers=False, timeout=timeout
+            )
+        except dist.DistError as e:
+            raise SyncTimeout(
+                f"{_who(self.participant)} could not reach the control store at "
+                f"{self.config.address} within {timeout.total_seconds():.1f} s: {_first_line(e)}; "
+                "start the hosting process (writer 0 by default) or fix the address"
+            ) from None
+
+    def _new_client(self) -> dist.Store:
+        """A second connection to the store, for threads that must not queue behind others."""
+        store = self.store
+        if hasattr(store, "clone"):
+            return self._call(store.clone)
+        host, port = _split_addr(self._address)
+        return dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=self.config.timeout
+        )
+
+    def _key(self, *parts: object) -> str:
+        return self._ns + "/".join(str(p) for p in parts)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one store operation; a broken store becomes a PeerFailure naming its host."""
+        try:
+            return fn(*args)
+        except dist.DistError as e:
+            if self.hosting:
+                raise
+            text = (
+                f"lost the control store at {self._address} (hosted by {self._host_name}): "
+                f"{_first_line(e)}; the hosting process exited or crashed. It must be the last "
+                "to leave (see ControlPlane.close)"
+            )
+            raise PeerFailure(text, [(self._host_name, text)]) from None
+
+    def _register(self) -> None:
+        p, cfg, store = self.participant, self.config, self._store
+        assert store is not None
+        salt = f"weightbus-token/{cfg.job}/".encode()
+        mine = hashlib.sha256(salt + (cfg.token or "").encode()).hexdigest()
+        theirs = self._call(store.compare_set, self._key("auth"), "", mine).decode()
+        if not hmac.compare_digest(theirs, mine):
+            raise AccessDenied(
+                f"{_who(p)} was refused by the control store at {self._address} (job "
+                f"{cfg.job!r}): its token does not match the job's; pass the same token "
+                f"(ControlConfig.token or ${TOKEN_ENV}) to every participant"
+            )
+        counts = f"{cfg.num_writers},{cfg.num_readers}"
+        seen = self._call(store.compare_set, self._key("counts"), "", counts).decode()
+        if seen != counts:
+            w, r = seen.split(",")
+            raise MembershipError(
+                f"{_who(p)} was configured with num_writers={cfg.num_writers}, "
+                f"num_readers={cfg.num_readers}, but job {cfg.job!r} at {self._address} has "
+                f"num_writers={w}, num_readers={r} (from the first participant to connect); "
+                "pass the same counts to every participant"
+            )
+        if self.hosting:
+            self._call(store.set, self._key("host"), _who(p))
+        elif self._call(store.check, [self._key("host")]):
+            self._host_name = self._call(store.get, self._key("host")).decode()
+
+        nonce = f"{p.host}/{os.getpid()}/{uuid.uuid4().hex}"
+        claim = msgpack.packb({"participant": p.to_dict(), "nonce": nonce}, use_bin_type=True)
+        held = self._call(store.compare_set, self._key("member", p.role, p.rank), b"", claim)
+        if held != claim:
+            other = Participant.from_dict(msgpack.unpackb(held, raw=False)["participant"])
+            raise MembershipError(
+                f"{p.role} rank {p.rank} is already taken in job {cfg.job!r} by {other.name!r} "
+                f"(host {other.host}, device {other.device}); this process ({p.name!r}, host "
+                f"{p.host}) must use a free rank, or the job name must differ"
+            )
+        slot = f"{p.role}/{p.rank}"
+        owner = self._call(store.compare_set, self._key("name", p.name), "", slot).decode()
+        if owner != slot:
+            raise MembershipError(
+                f"name {p.name!r} is already taken in job {cfg.job!r} by {owner.replace('/', ' rank ')}; "
+                f"give {p.role} rank {p.rank} a unique name"
+            )
+        self._call(store.add, self._key("hb", p.name), 1)
+
+    def _start_heartbeat(self) -> None:
+        # The heartbeat shares this participant's one connection (torch serialises calls on it)
+        # rather than opening another: every new connection costs the store host a reverse DNS
+        # lookup of the peer, which stalls 5 s where DNS is flaky. Nothing here blocks on it.
+        client = self._store
+        assert client is not None
+        key = self._key("hb", self.participant.name)
+        interval = self.config.heartbeat_interval.total_seconds()
+        stop = self._hb_stop
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    client.add(key, 1)
+                except Exception as e:  # the store is gone; the main thread will say so
+                    logger.warning(
+                        "weightbus control: heartbeat of %r stopped: %s",
+                        self.participant.name,
+                        _first_line(e),
+                    )
+                    return
+
+        self._hb_thread = threading.Thread(
+            target=beat, name=f"weightbus-heartbeat-{self.participant.name}", daemon=True
+        )
+        self._hb_thread.start()
+
+    def _require(self) -> dist.TCPStore:
+        if not self._connected or self._store is None:
+            state = "closed" if self._closed else "not connected (call connect() first)"
+            raise WeightbusError(f"control plane of {self.participant.name!r} is {state}")
+        return self._store
+
+    def _deadline(self, timeout: timedelta | None) -> tuple[float, float]:
+        seconds = (
+            _positive("timeout", timeout)
+            if timeout is not None
+            else self.config.timeout.total_seconds()
+        )
+        return time.monotonic() + seconds, seconds
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def participants(self, timeout: timedelta | None = None) -> Roster:
+        """Every participant, once all have registered; waits naming who is missing."""
+        if self._roster is not None:
+            return self._roster
+        store = self._require()
+        cfg = self.config
+        slots = [("writer", r) for r in range(cfg.num_writers)]
+        slots += [("reader", r) for r in range(cfg.num_readers)]
+        keys = [self._key("member", role, rank) for role, rank in slots]
+        deadline, seconds = self._deadline(timeout)
+        backoff = _Backoff()
+        while not self._call(store.check, keys):
+            self._raise_if_reported()
+            if time.monotonic() >= deadline:
+                missing = [
+                    f"{role} rank {rank}"
+                    for (role, rank), key in zip(slots, keys, strict=True)
+                    if not self._call(store.check, [key])
+                ]
+                raise SyncTimeout(
+                    f"{_who(self.participant)} waited {seconds:.1f} s for job {cfg.job!r} at "
+                    f"{self._address}: {len(slots) - len(missing)} of {len(slots)} participants "
+                    f"registered, missing {', '.join(missing)}; start them, or check they use the "
+                    "same address, job name and counts",
+                    missing,
+                )
+            backoff.sleep(deadline)
+        members = [
+            Participant.from_dict(msgpack.unpackb(v, raw=False)["participant"])
+            for v in self._call(store.multi_get, keys)
+        ]
+        roster = Roster(
+            writers=tuple(members[: cfg.num_writers]), readers=tuple(members[cfg.num_writers :])
+        )
+        with self._lock:
+            self._roster = roster
+        logger.info(
+            "weightbus control: job %r complete: writers %s, readers %s",
+            cfg.job,
+            roster.names("writer"),
+            roster.names("reader"),
+        )
+        return roster
+
+    @property
+    def roster(self) -> Roster | None:
+        """The roster once :meth:`participants` has returned, else None."""
+        return self._roster
+
+    # -- topics ----------------------------------------------------------------------------------
+
+    def post(self, topic: str, value: bytes | dict) -> None:
+        """Publish ``value`` (raw bytes, or a dict sent as msgpack) under ``topic`` for this participant.
+
+        Topics are write-once per participant: put the version in the name (``f"ack/{v}"``).
+        A topic stays in the store until this participant has posted ``topic_window`` newer
+        ones (or calls :meth:`drop`), so every gatherer must have read it by then.
+        """
+        store = self._require()
+        if not isinstance(topic, str) or not topic:
+            raise ValueError(f"topic must be a non-empty str, got {topic!r}")
+        data = _encode(value)
+        with self._lock:
+            if topic in self._posted_set:
+                raise ValueError(
+                    f"{_who(self.participant)} already posted topic {topic!r}; topics are "
+                    "write-once: put the version in the name (e.g. f'ack/{version}')"
+                )
+            self._posted.append(topic)
+            self._posted_set.add(topic)
+            old = []
+            while len(self._posted) > self.config.topic_window:
+                old.append(self._posted.popleft())
+                self._posted_set.discard(old[-1])
+        self._call(store.set, self._key("t", self.participant.name, topic), data)
+        for stale in old:
+            self._call(store.delete_key, self._key("t", self.participant.name, stale))
+
+    def drop(self, topic: str) -> None:
+        """Delete this participant's value of ``topic`` now (once everyone has gathered it)."""
+        store = self._require()
+        with self._lock:
+            if topic in self._posted_set:
+                self._posted_set.discard(topic)
+                self._posted.remove(topic)
+        self._call(store.delete_key, self._key("t", self.participant.name, topic))
+
+    def _targets(self, role: str | None, names: Sequence[str] | None) -> list[str]:
+        roster = self.participants()
+        if names is not None:
+            if isinstance(names, str):
+                raise TypeError(f"names must be a list of names, got the str {names!r}")
+            unknown = [n for n in names if n not in roster]
+            if unknown:
+                raise KeyError(
+                    f"gather over unknown participants {unknown}; the job has {roster.names()}"
+                )
+            wanted = set(names)
+            return [
+                n
+                for n in roster.names()
+                if n in wanted and (role is None or roster[n].role == role)
+            ]
+        if role is not None and role not in ("writer", "reader"):
+            raise ValueError(f"role {role!r} is not 'writer' or 'reader'")
+        return roster.names(role)
+
+    def gather(
+        self,
+        topic: str,
+        role: str | None = None,
+        names: Sequence[str] | None = None,
+        timeout: timedelta | None = None,
+    ) -> dict[str, bytes | dict]:
+        """Wait until every participant (of ``role``, or in ``names``) has posted ``topic``.
+
+        Returns ``{name: value}`` in global order. Raises :class:`PeerFailure` as soon as any
+        participant reports a failure, stops sending heartbeats, or closes without posting,
+        and :class:`SyncTimeout` naming who has not posted when ``timeout`` (default: the
+        config's) passes.
+        """
+        store = self._require()
+        targets = self._targets(role, names)
+        keys = [self._key("t", n, topic) for n in targets]
+        deadline, seconds = self._deadline(timeout)
+        backoff = _Backoff()
+        next_closed_check = time.monotonic() + _CLOSED_CHECK_S
+        while not self._call(store.check, keys):
+            self.raise_if_failed()
+            now = time.monotonic()
+            missing = None
+            if now >= deadline or now >= next_closed_check:
+                next_closed_check = now + _CLOSED_CHECK_S
+                missing = [
+                    n
+                    for n, k in zip(targets, keys, strict=True)
+                    if not self._call(store.check, [k])
+                ]
+                self._raise_if_closed(missing, topic)
+            if now >= deadline:
+                assert missing is not None
+                raise SyncTimeout(
+                    f"{_who(self.participant)} timed out after {seconds:.1f} s waiting for topic "
+                    f"{topic!r} from {', '.join(_who(self._roster[n]) for n in missing)} "
+                    f"({len(targets) - len(missing)} of {len(targets)} posted); their heartbeats "
+                    "are fresh, so they are alive but slow or stuck: check their logs, or raise "
+                    "the timeout",
+                    missing,
+                )
+            backoff.sleep(deadline)
+        values = self._call(store.multi_get, keys)
+        return {n: _decode(v) for n, v in zip(targets, values, strict=True)}
+
+    def barrier(
+        self, topic: str, role: str | None = None, timeout: timedelta | None = None
+    ) -> None:
+        """Post an empty value under ``topic`` and gather it from everyone (of ``role``)."""
+        self.post(topic, b"")
+        self.gather(topic, role=role, timeout=timeout)
+
+    def exchange_layouts(
+        self, my_layout: Layout, timeout: timedelta | None = None
+    ) -> tuple[list[Layout], list[Layout]]:
+        """Post this participant's layout, gather everyone's: (writers by rank, readers by rank)."""
+        if not isinstance(my_layout, Layout):
+            raise TypeError(f"exchange_layouts takes a Layout, got {type(my_layout).__name__}")
+        if my_layout.participant.to_dict() != self.participant.to_dict():
+            raise ValueError(
+                f"layout belongs to {my_layout.participant}, this control plane to "
+                f"{self.participant}: build the layout with the same Participant"
+            )
+        with self._lock:
+            topic = f"layout/{self._layout_calls}"
+            self._layout_calls += 1
+        self.post(topic, my_layout.to_msgpack())
+        got = self.gather(topic, timeout=timeout)
+        layouts = []
+        for name, data in got.items():
+            assert isinstance(data, bytes), (name, type(data))
+            layout = Layout.from_msgpack(data)
+            if layout.name != name:
+                raise WeightbusError(
+                    f"participant {name!r} posted the layout of {layout.name!r}: its layout "
+                    "must be built with its own Participant"
+                )
+            layouts.append(layout)
+        writers = [lay for lay in layouts if lay.role == "writer"]
+        readers = [lay for lay in layouts if lay.role == "reader"]
+        return writers, readers
+
+    def agree(self, topic: str, digest: str, timeout: timedelta | None = None) -> str:
+        """Everyone posts ``digest`` under ``topic``; :class:`PlanMismatch` unless all are equal."""
+        if not isinstance(digest, str) or not digest:
+            raise ValueError(f"digest must be a non-empty str, got {digest!r}")
+        key = f"agree/{topic}"
+        self.post(key, digest.encode())
+        got = self.gather(key, timeout=timeout)
+        groups: dict[str, list[str]] = {}
+        for name, value in got.items():
+            assert isinstance(value, bytes)
+            groups.setdefault(value.decode(), []).append(name)
+        if len(groups) > 1:
+            ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+            parts = [f"{d[:16]} held by {', '.join(names)}" for d, names in ranked]
+            raise PlanMismatch(
+                f"participants disagree on {topic!r}: " + "; ".join(parts) + ". Every "
+                "participant must derive it from the same layouts with the same weightbus "
+                "version and configuration",
+                groups,
+            )
+        return digest
+
+    def substore(self, kind: str) -> dist.Store:
+        """A store under a fresh prefix, on its own connection, for a transport's rendezvous.
+
+        The n-th call with a given ``kind`` returns the same prefix on every participant, so
+        participants must call it in the same order.
+        """
+        self._require()
+        n = self.sequence(f"substore/{kind}")
+        return dist.PrefixStore(self._key("sub", kind, n), self._new_client())
+
+    def sequence(self, kind: str) -> int:
+        """0, 1, 2, ... on successive calls with the same ``kind``: a local counter that gives
+        every participant the same number for its n-th collective of that kind."""
+        with self._lock:
+            n = self._substores.get(kind, 0)
+            self._substores[kind] = n + 1
+        return n
+
+    # -- failures and heartbeats -----------------------------------------------------------------
+
+    def fail(self, error_text: str) -> None:
+        """Report this participant's failure; every other participant's waits raise it.
+
+        Only the first report counts; later calls are ignored. Never raises.
+        """
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = str(error_text)
+        logger.error("weightbus control: %s failed: %s", _who(self.participant), error_text)
+        store = self._store
+        if store is None:
+            return
+        record = {
+            "role": self.participant.role,
+            "rank": self.participant.rank,
+            "error": self._failed[:_MAX_ERROR_CHARS],
+        }
+        try:
+            store.set(self._key("fail", self.participant.name), msgpack.packb(record))
+            store.append(self._key("faillog"), self.participant.name + "\n")
+        except Exception as e:
+            logger.warning("weightbus control: could not report the failure: %s", _first_line(e))
+
+    def raise_if_failed(self, *, fresh: bool = False) -> None:
+        """Raise :class:`PeerFailure` if any other participant reported a failure or went silent.
+
+        Cheap enough for hot loops: it asks the store at most every 10 ms (``fresh=True``: now)
+        and reads heartbeats at most every ``min(heartbeat_interval / 2, 0.25 s)``.
+        """
+        now = time.monotonic()
+        if fresh or now >= self._next_report_check:
+            self._next_report_check = now + _REPORT_CHECK_S
+            self._raise_if_reported()
+        if self._roster is not None and self._peer_check_due(now):
+            self._check_heartbeats(now)
+
+    def _peer_check_due(self, now: float) -> bool:
+        with self._lock:
+            if now < self._next_peer_check:
+                return False
+            step = min(self.config.heartbeat_interval.total_seconds() / 2, 0.25)
+            self._next_peer_check = now + step
+            return True
+
+    def _raise_if_reported(self) -> None:
+        store = self._require()
+        log_key = self._key("faillog")
+        if not self._call(store.check, [log_key]):
+            return
+        names = list(dict.fromkeys(self._call(store.get, log_key).decode().split()))
+        names = [n for n in names if n != self.participant.name]
+        if not names:
+            return
+        records = [
+            msgpack.unpackb(v, raw=False)
+            for v in self._call(store.multi_get, [self._key("fail", n) for n in names])
+        ]
+        failures = [(n, r["error"]) for n, r in zip(names, records, strict=True)]
+        whos = [f"{r['role']} {n!r}" for n, r in zip(names, records, strict=True)]
+        message = f"{whos[0]} failed: {failures[0][1]}"
+        if len(failures) > 1:
+            message += (
+                " (then also "
+                + "; ".join(f"{w}: {e}" for w, (_, e) in zip(whos[1:], failures[1:], strict=True))
+                + ")"
+            )
+        raise PeerFailure(message, failures)
+
+    def _check_heartbeats(self, now: float) -> None:
+        roster = self._roster
+        assert roster is not None
+        store = self._require()
+        names = [
+            n for n in roster.names() if n != self.participant.name and n not in self._peers_closed
+        ]
+        if not names:
+            return
+        values = self._call(store.multi_get, [self._key("hb", n) for n in names])
+        limit = self.config.heartbeat_timeout.total_seconds()
+        stale: list[tuple[str, float]] = []
+        with self._lock:
+            for name, raw in zip(names, values, strict=True):
+                count = int(raw)
+                seen = self._beats.get(name)
+                if seen is None or seen[0] != count:
+                    self._beats[name] = (count, now)
+                elif now - seen[1] > limit:
+                    stale.append((name, now - seen[1]))
+        if not stale:
+            return
+        dead = []
+        for name, age in stale:
+            if self._call(store.check, [self._key("closed", name)]):
+                self._peers_closed.add(name)
+            else:
+                dead.append((name, age))
+        if not dead:
+            return
+        failures = [
+            (
+                name,
+                f"{_who(roster[name])} stopped sending heartbeats {age:.1f} s ago "
+                f"(heartbeat_timeout {limit:.1f} s): its process died, hung or lost the network; "
+                "check its log",
+            )
+            for name, age in dead
+        ]
+        raise PeerFailure("; ".join(text for _, text in failures), failures)
+
+    def has_closed(self, name: str) -> bool:
+        """Whether participant ``name`` has left the job through :meth:`close`."""
+        store = self._require()
+        return bool(self._call(store.check, [self._key("closed", name)]))
+
+    def _raise_if_closed(self, missing: list[str], topic: str) -> None:
+        if not missing:
+            return
+        store = self._require()
+        for name in missing:
+            if self._call(store.check, [self._key("closed", name)]):
+                text = (
+                    f"{_who(self._roster[name])} closed its control plane without posting {topic!r}"
+                )
+                raise PeerFailure(text, [(name, text)])
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self, timeout: timedelta | None = None) -> None:
+        """Leave the job: stop heartbeats, mark this participant closed.
+
+        On the hosting process, first wait (up to ``timeout``, default the config's) until every
+        other participant has closed, reported a failure or stopped sending heartbeats, since
+        the store dies with this process. Idempotent; never raises on a broken store.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        store = self._store
+        if store is not None and self._connected:
+            try:
+                store.set(self._key("closed", self.participant.name), b"1")
+                if self.hosting:
+                    self._wait_for_others(store, timeout)
+            except Exception as e:
+                logger.warning(
+                    "weightbus control: close of %r: %s", self.participant.name, _first_line(e)
+                )
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=self.config.heartbeat_interval.total_seconds() + 5)
+        self._connected = False
+        self._store = None
+        logger.info("weightbus control: %s left job %r", _who(self.participant), self.config.job)
+
+    def _wait_for_others(self, store: dist.TCPStore, timeout: timedelta | None) -> None:
+        cfg = self.config
+        slots = [("writer", r) for r in range(cfg.num_writers)]
+        slots += [("reader", r) for r in range(cfg.num_readers)]
+        members = [self._key("member", role, rank) for role, rank in slots]
+        names = []
+        for key, present in zip(members, [store.check([k]) for k in members], strict=True):
+            if present:
+                names.append(
+                    Participant.from_dict(
+                        msgpack.unpackb(store.get(key), raw=False)["participant"]
+                    ).name
+                )
+        names = [n for n in names if n != self.participant.name]
+        deadline, seconds = self._deadline(timeout)
+        limit = cfg.heartbeat_timeout.total_seconds()
+        backoff = _Backoff()
+        last: dict[str, tuple[int, float]] = {}
+        while names:
+            now = time.monotonic()
+            failed = set()
+            if store.check([self._key("faillog")]):
+                failed = set(store.get(self._key("faillog")).decode().split())
+            remaining = []
+            for n in names:
+                if n in failed or store.check([self._key("closed", n)]):
+                    continue
+                count = int(store.get(self._key("hb", n)))
+                seen = last.get(n)
+                if seen is None or seen[0] != count:
+                    last[n] = (count, now)
+                elif now - seen[1] > limit:
+                    continue
+                remaining.append(n)
+            names = remaining
+            if not names:
+                return
+            if now >= deadline:
+                logger.warning(
+                    "weightbus control: %s hosts the store and is closing after %.1f s although "
+                    "%s have not closed; their next store call will fail",
+                    _who(self.participant),
+                    seconds,
+                    names,
+                )
+                return
+            backoff.sleep(deadline)
+
+    def __enter__(self) -> ControlPlane:
+        return self.connect()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not isinstance(exc, PeerFailure):
+            self.fail(f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(Exception):
+            self.close()

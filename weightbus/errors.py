@@ -1,0 +1,56 @@
+"""Errors weightbus raises across processes: peer failures, timeouts, disagreements.
+
+Every error a participant raises because of *another* participant names that participant,
+says what it saw and what to do about it. User mistakes inside one process stay
+``ValueError`` / ``TypeError`` / ``KeyError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccessDenied",
+    "MembershipError",
+    "PeerFailure",
+    "PlanMismatch",
+    "SyncTimeout",
+    "WeightbusError",
+]
+
+
+class WeightbusError(Exception):
+    """Base class of the errors weightbus raises itself."""
+
+
+class PeerFailure(WeightbusError):
+    """Another participant failed, died, or the control store went away.
+
+    ``failures`` lists ``(participant name, what happened)``, first reported first.
+    """
+
+    def __init__(self, message: str, failures: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.failures: list[tuple[str, str]] = list(failures or [])
+
+
+class SyncTimeout(WeightbusError, TimeoutError):
+    """A wait passed its timeout; ``missing`` names the participants it was still waiting for."""
+
+    def __init__(self, message: str, missing: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing: list[str] = list(missing or [])
+
+
+class PlanMismatch(WeightbusError):
+    """Participants hold different digests; ``groups`` maps each digest to who holds it."""
+
+    def __init__(self, message: str, groups: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.groups: dict[str, list[str]] = dict(groups or {})
+
+
+class MembershipError(WeightbusError, ValueError):
+    """A participant cannot join: duplicate rank or name, rank out of range, counts disagree."""
+
+
+class AccessDenied(WeightbusError, PermissionError):
+    """A participant presented a shared-secret token that does not match the job's."""
