@@ -66,22 +66,26 @@ class Reader(_Session):
                     f"{self.name}: writers sent version {version}, not newer than {self.version}"
                 )
             total = sum(op.nbytes for op in self.ops)
-            pending: deque = deque()
+            staged: deque = deque()  # (handle, op, staging buffer), oldest first
+            direct: list = []  # handles of in-place receives
             free = deque(self._staging)
             tensors = self.bound.tensors
-            for op, direct in zip(self.ops, self.direct, strict=True):
-                if direct is not None:
+            for op, live in zip(self.ops, self.direct, strict=True):
+                if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
-                    pending.append((transport.recv(op.peer_global, direct, op.bucket), op, None))
+                    direct.append(transport.recv(op.peer_global, live, op.bucket))
                     continue
-                while not free:
-                    buf = self._drain_one(pending, tensors, phases)
-                    if buf is not None:
-                        free.append(buf)
+                if not free:
+                    # only the oldest staged receive frees a buffer; in-place receives on other
+                    # links go on meanwhile
+                    free.append(self._unpack_oldest(staged, tensors, phases))
                 buf = free.popleft()
-                pending.append((transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf))
-            while pending:
-                self._drain_one(pending, tensors, phases)
+                staged.append((transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf))
+            while staged:
+                self._unpack_oldest(staged, tensors, phases)
+            t = time.perf_counter()
+            transport.wait(direct, cfg.sync_timeout)
+            phases["transfer"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once
                 # they ran, and only then may this reader acknowledge
@@ -111,15 +115,13 @@ class Reader(_Session):
             self.on_version(result)
         return result
 
-    def _drain_one(self, pending: deque, tensors, phases: dict[str, float]):
-        """Wait for the oldest receive and unpack it (unless it landed in place); return its
-        staging buffer, or None."""
-        handle, op, buf = pending.popleft()
+    def _unpack_oldest(self, staged: deque, tensors, phases: dict[str, float]):
+        """Wait for the oldest staged receive, unpack it; return its staging buffer."""
+        handle, op, buf = staged.popleft()
         t = time.perf_counter()
         self.transport.wait([handle], self.config.sync_timeout)
         phases["transfer"] += time.perf_counter() - t
-        if buf is not None:
-            t = time.perf_counter()
-            unpack(op, tensors, buf[: op.nbytes])
-            phases["unpack"] += time.perf_counter() - t
+        t = time.perf_counter()
+        unpack(op, tensors, buf[: op.nbytes])
+        phases["unpack"] += time.perf_counter() - t
         return buf

@@ -52,31 +52,33 @@ class Writer(_Session):
             total = sum(op.nbytes for op in self.ops)
             done = 0
             free = deque(self._staging)
-            inflight: deque = deque()
+            staged: deque = deque()  # (handle, staging buffer), oldest first
+            direct: list = []  # handles of in-place sends
             tensors = self.bound.tensors
-            for op, direct in zip(self.ops, self.direct, strict=True):
-                if direct is not None:
+            for op, live in zip(self.ops, self.direct, strict=True):
+                if live is not None:
                     # one contiguous region of a live tensor: sent in place, no staging
-                    inflight.append((transport.send(op.peer_global, direct, op.bucket), None))
+                    direct.append(transport.send(op.peer_global, live, op.bucket))
                 else:
-                    while not free:
+                    if not free:
+                        # only the oldest staged send frees a buffer; in-place sends on other
+                        # links go on meanwhile
                         t = time.perf_counter()
-                        handle, buf = inflight.popleft()
+                        handle, buf = staged.popleft()
                         transport.wait([handle], timeout)
                         phases["transfer"] += time.perf_counter() - t
-                        if buf is not None:
-                            free.append(buf)
+                        free.append(buf)
                     buf = free.popleft()
                     t = time.perf_counter()
                     view = buf[: op.nbytes]
                     pack(op, tensors, view)
                     phases["pack"] += time.perf_counter() - t
-                    inflight.append((transport.send(op.peer_global, view, op.bucket), buf))
+                    staged.append((transport.send(op.peer_global, view, op.bucket), buf))
                 done += op.nbytes
                 if progress is not None:
                     progress(done, total)
             t = time.perf_counter()
-            transport.wait([h for h, _ in inflight], timeout)
+            transport.wait(direct + [h for h, _ in staged], timeout)
             phases["transfer"] += time.perf_counter() - t
 
             t = time.perf_counter()

@@ -160,7 +160,9 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             job=f"bench-{args.scenario}",
             timeout=dt.timedelta(seconds=300),
         )
+        extra = {} if args.direct_mb is None else {"direct_bytes": args.direct_mb << 20}
         sync = SyncConfig(
+            **extra,
             bucket_bytes=args.bucket_mb << 20,
             staging_buffers=args.staging,
             transport=args.transport,
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="warm-up syncs (default 2)")
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB (default 256)")
     p.add_argument("--staging", type=int, default=4, help="staging buffers per participant (default 4)")
+    p.add_argument(
+        "--direct-mb", type=int, default=None, help="routes this large move in place (default: SyncConfig's)"
+    )
     p.add_argument("--transport", default="auto", help="transport name or auto")
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument("--kind", default=None, help="machine kind for the file name (default: from the GPUs)")
@@ -371,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": a.model,
         "bucket_mb": a.bucket_mb,
         "staging_buffers": a.staging,
+        "direct_mb": a.direct_mb,
         "iters": a.iters,
         "ceilings": ceilings,
         "scenarios": scenarios,

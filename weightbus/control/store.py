@@ -83,7 +83,7 @@ DEFAULT_STORE_ADDR = "localhost:29700"
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _MAX_ERROR_CHARS = 8000
-_POLL_FIRST_S = 0.001
+_POLL_FIRST_S = 0.0001  # in-sync answers come within a millisecond or two; long waits back off
 _POLL_LAST_S = 0.05
 _CLOSED_CHECK_S = 0.25
 _REPORT_CHECK_S = 0.01

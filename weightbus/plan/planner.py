@@ -27,9 +27,9 @@ How a plan is made:
 6. Buckets: a route of at least ``direct_bytes`` is a bucket of its own (then a side whose
    region of it is contiguous in memory moves it in place, without staging). The other routes
    of each (writer, reader) link, in that fixed order, are packed into buckets of at most
-   ``bucket_bytes`` (each route starts at an aligned offset). Buckets are numbered wave by
-   wave: wave ``w`` holds the ``w``-th bucket of every link, so executing buckets in order
-   keeps every link busy at once.
+   ``bucket_bytes`` (each route starts at an aligned offset). Buckets are numbered in the
+   order of where they start in their link's byte stream, so executing them in order keeps
+   every link busy at once, each advancing at the same rate in bytes.
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ _ROUTE_FIELDS = tuple(Routes.__dataclass_fields__)
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Buckets:
-    """Column-wise buckets in execution order: link (``src`` writer, ``dst`` reader), bytes,
-    wave, and the range ``[first, first + count)`` of their routes."""
+    """Column-wise buckets in execution order (by ``position``): link (``src`` writer, ``dst``
+    reader), bytes, wave (index within the link), and the range ``[first, first + count)`` of
+    their routes."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -143,6 +144,8 @@ class Buckets:
     wave: np.ndarray
     first: np.ndarray
     count: np.ndarray
+    position: np.ndarray
+    """Byte position of the bucket's first route in its link's stream (the execution order)."""
 
     def __len__(self) -> int:
         return len(self.src)
@@ -781,14 +784,18 @@ def _make_plan(
     b_bytes = np.zeros(n_b, np.int64)
     np.maximum.at(b_bytes, b_of_route, offset + nbytes)
     b_count = np.bincount(b_of_route, minlength=n_b)
-    # wave = the bucket's place in its link, by its first route
+    # wave = the bucket's place in its link, by its first route; buckets execute in the order
+    # of where they start in their link's byte stream, so every link advances at the same rate
+    # in bytes whatever its buckets' sizes
     b_link = link_id[b_first_route]
     by_first = np.argsort(b_first_route, kind="stable")
     b_wave = np.empty(n_b, np.int64)
     link_start = np.searchsorted(b_link[by_first], b_link[by_first], side="left")
     b_wave[by_first] = np.arange(n_b) - link_start
+    all_cum = np.cumsum(padded)
+    stream_pos = (all_cum - padded - np.append(0, all_cum)[link_first][link_id])[b_first_route]
     b_src, b_dst = src[b_first_route], dst[b_first_route]
-    exec_order = np.lexsort((b_dst, b_src, b_wave))
+    exec_order = np.lexsort((b_dst, b_src, stream_pos))
     new_id = np.empty(n_b, np.int64)
     new_id[exec_order] = np.arange(n_b)
     bucket = new_id[b_of_route]
@@ -816,6 +823,7 @@ def _make_plan(
         wave=b_wave[exec_order].astype(np.int32),
         first=first,
         count=b_count[exec_order],
+        position=stream_pos[exec_order],
     )
     stats = _stats(routes, buckets, len(writers), len(readers), time.perf_counter() - t0)
     digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts, ndim)
