@@ -45,8 +45,22 @@ def test_sync_between_gpus_bit_exact(tmp_path):
 
     scenarios = "S1,S4" if torch.cuda.device_count() >= 4 else "S1"
     rc = gpu.main(
-        ["--scenarios", scenarios, "--model", "tiny-llama", "--iters", "2",
-         "--warmup", "1", "--bucket-mb", "1", "--out", str(tmp_path), "--kind", "test"]
+        [
+            "--scenarios",
+            scenarios,
+            "--model",
+            "tiny-llama",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--bucket-mb",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--kind",
+            "test",
+        ]
     )
     assert rc == 0
     result = json.loads(next(tmp_path.glob("*.json")).read_text())

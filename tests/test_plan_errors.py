@@ -27,14 +27,19 @@ def _whole(name, shape=(8, 4)):
 def test_reader_tensor_missing_on_writers():
     w = [_layout("writer", 0, [_whole("a")])]
     r = [_layout("reader", 0, [_whole("a"), _whole("b")])]
-    with pytest.raises(LayoutError, match=r"reader 'reader-0' expects b \(8, 4\) float32, but no writer holds it"):
+    with pytest.raises(
+        LayoutError, match=r"reader 'reader-0' expects b \(8, 4\) float32, but no writer holds it"
+    ):
         make_plan(w, r)
 
 
 def test_writer_tensor_missing_on_readers_and_ignore_unread():
     w = [_layout("writer", 0, [_whole("a"), _whole("value_head.w")])]
     r = [_layout("reader", 0, [_whole("a")])]
-    with pytest.raises(LayoutError, match=r"writer 'writer-0' holds value_head.w .* no reader expects it: pass ignore_unread"):
+    with pytest.raises(
+        LayoutError,
+        match=r"writer 'writer-0' holds value_head.w .* no reader expects it: pass ignore_unread",
+    ):
         make_plan(w, r)
     plan = make_plan(w, r, PlanOptions(ignore_unread=("value_head.*",)))
     assert plan.stats.total_bytes == 8 * 4 * 4
@@ -42,8 +47,15 @@ def test_writer_tensor_missing_on_readers_and_ignore_unread():
 
 def test_shape_disagreement():
     w = [_layout("writer", 0, [_whole("a")])]
-    r = [_layout("reader", 0, [("a", Box.whole((8, 5)), "a", Box.whole((8, 5)))], shapes={"a": (8, 5)})]
-    with pytest.raises(LayoutError, match=r"^a: reader 'reader-0' has shape \(8, 5\), writer 'writer-0' has \(8, 4\)"):
+    r = [
+        _layout(
+            "reader", 0, [("a", Box.whole((8, 5)), "a", Box.whole((8, 5)))], shapes={"a": (8, 5)}
+        )
+    ]
+    with pytest.raises(
+        LayoutError,
+        match=r"^a: reader 'reader-0' has shape \(8, 5\), writer 'writer-0' has \(8, 4\)",
+    ):
         make_plan(w, r)
 
 
@@ -57,9 +69,14 @@ def test_dtype_disagreement_needs_explicit_cast():
 
 
 def test_writers_disagree_on_dtype():
-    w = [_layout("writer", 0, [_whole("a")], dtype="float32"), _layout("writer", 1, [_whole("a")], dtype="bfloat16")]
+    w = [
+        _layout("writer", 0, [_whole("a")], dtype="float32"),
+        _layout("writer", 1, [_whole("a")], dtype="bfloat16"),
+    ]
     r = [_layout("reader", 0, [_whole("a")])]
-    with pytest.raises(LayoutError, match=r"a: writer 'writer-1' holds bfloat16, writer 'writer-0' holds float32"):
+    with pytest.raises(
+        LayoutError, match=r"a: writer 'writer-1' holds bfloat16, writer 'writer-0' holds float32"
+    ):
         make_plan(w, r)
 
 
@@ -77,10 +94,15 @@ def test_overlapping_reader_pieces():
         _layout(
             "reader",
             0,
-            [("a", Box((0, 0), (5, 4)), "p", Box.whole((5, 4))), ("a", Box((4, 0), (8, 4)), "q", Box.whole((4, 4)))],
+            [
+                ("a", Box((0, 0), (5, 4)), "p", Box.whole((5, 4))),
+                ("a", Box((4, 0), (8, 4)), "q", Box.whole((4, 4))),
+            ],
         )
     ]
-    with pytest.raises(LayoutError, match=r"reader 'reader-0': pieces \[0:5, 0:4\] and \[4:8, 0:4\] of a overlap"):
+    with pytest.raises(
+        LayoutError, match=r"reader 'reader-0': pieces \[0:5, 0:4\] and \[4:8, 0:4\] of a overlap"
+    ):
         make_plan(w, r)
 
 
@@ -90,25 +112,44 @@ def test_overlapping_local_boxes():
         _layout(
             "reader",
             0,
-            [("a", Box.whole((8, 4)), "fused", Box((0, 0), (8, 4))), ("b", Box.whole((8, 4)), "fused", Box((4, 0), (12, 4)))],
+            [
+                ("a", Box.whole((8, 4)), "fused", Box((0, 0), (8, 4))),
+                ("b", Box.whole((8, 4)), "fused", Box((4, 0), (12, 4))),
+            ],
             local_shapes={"fused": (12, 4)},
         )
     ]
-    with pytest.raises(LayoutError, match=r"pieces of a and b both write local tensor 'fused' at \[0:8, 0:4\] and \[4:12, 0:4\]"):
+    with pytest.raises(
+        LayoutError,
+        match=r"pieces of a and b both write local tensor 'fused' at \[0:8, 0:4\] and \[4:12, 0:4\]",
+    ):
         make_plan(w, r)
 
 
 def test_piece_outside_its_tensor():
     w = [_layout("writer", 0, [("a", Box((0, 0), (9, 4)), "a", Box.whole((9, 4)))])]
     r = [_layout("reader", 0, [_whole("a")])]
-    with pytest.raises(LayoutError, match=r"writer 'writer-0': piece \[0:9, 0:4\] of a lies outside the tensor's shape \(8, 4\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"writer 'writer-0': piece \[0:9, 0:4\] of a lies outside the tensor's shape \(8, 4\)",
+    ):
         make_plan(w, r)
 
 
 def test_piece_outside_its_local_tensor():
     w = [_layout("writer", 0, [_whole("a")])]
-    r = [_layout("reader", 0, [("a", Box.whole((8, 4)), "a", Box((2, 0), (10, 4)))], local_shapes={"a": (8, 4)})]
-    with pytest.raises(LayoutError, match=r"reader 'reader-0': piece \[0:8, 0:4\] of a is placed at \[2:10, 0:4\] of local tensor 'a' \(8, 4\), outside it"):
+    r = [
+        _layout(
+            "reader",
+            0,
+            [("a", Box.whole((8, 4)), "a", Box((2, 0), (10, 4)))],
+            local_shapes={"a": (8, 4)},
+        )
+    ]
+    with pytest.raises(
+        LayoutError,
+        match=r"reader 'reader-0': piece \[0:8, 0:4\] of a is placed at \[2:10, 0:4\] of local tensor 'a' \(8, 4\), outside it",
+    ):
         make_plan(w, r)
 
 
@@ -126,7 +167,10 @@ def test_local_dtype_must_match_declared_dtype():
     b.add_local("a", (8, 4), "bfloat16")
     b.add_piece("a", Box.whole((8, 4)), "a", Box.whole((8, 4)))
     w = [_layout("writer", 0, [_whole("a")])]
-    with pytest.raises(LayoutError, match=r"a is declared float32 but its piece lives in local tensor 'a' of dtype bfloat16"):
+    with pytest.raises(
+        LayoutError,
+        match=r"a is declared float32 but its piece lives in local tensor 'a' of dtype bfloat16",
+    ):
         make_plan(w, [b.build()])
 
 

@@ -9,14 +9,14 @@ equal its expected slices bit for bit, with every element written exactly once.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.oracle import check_plan
 from weightbus.layouts.describe import build_layouts
 from weightbus.layouts.families import model_spec
-from weightbus.plan import PlanOptions, allocate, execute, fill_from_canonical, make_plan
+from weightbus.plan import PlanOptions, make_plan
 
 
 def _config(family: str, kv_heads: int, experts: int, tie: bool) -> dict:
@@ -89,10 +89,6 @@ def setups(draw):
     return model, writers, readers, rdtype, bucket
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups())
 def test_provider_layouts_execute_bit_exact(setup):
@@ -103,28 +99,4 @@ def test_provider_layouts_execute_bit_exact(setup):
 
     gen = torch.Generator().manual_seed(7)
     canon = {t.name: torch.randn(t.shape, generator=gen) for t in model.tensors}
-    wt = [allocate(lay) for lay in writers]
-    for lay, t in zip(writers, wt):
-        fill_from_canonical(lay, canon, t)
-    got = [allocate(lay) for lay in readers]
-    execute(plan, wt, got)
-
-    want_canon = {n: v.to(getattr(torch, rdtype)) for n, v in canon.items()}
-    for lay, g in zip(readers, got):
-        want = allocate(lay)
-        fill_from_canonical(lay, want_canon, want)
-        for key in want:
-            assert torch.equal(_bits(g[key]), _bits(want[key])), (wdesc, rdesc, lay.name, key)
-
-    # exactly once: per reader, route bytes == the bytes its pieces cover, and every covered
-    # element is hit by one route
-    for ri, lay in enumerate(readers):
-        assert plan.stats.reader_bytes[ri] == lay.nbytes, (wdesc, rdesc, lay.name)
-        hits = {lt.key: torch.zeros(lt.shape, dtype=torch.int8) for lt in lay.locals}
-        r = plan.routes
-        for i in np.flatnonzero(r.dst == ri):
-            lt = lay.locals[r.dst_key[i]]
-            nd = len(lt.shape)
-            a, e = r.dst_local[i][-nd:], (r.stop[i] - r.start[i])[-nd:]
-            hits[lt.key][tuple(slice(x, x + y) for x, y in zip(a.tolist(), e.tolist()))] += 1
-        assert all(int(h.max()) <= 1 for h in hits.values()), (wdesc, rdesc, lay.name)
+    check_plan(plan, writers, readers, canon, getattr(torch, rdtype), (wdesc, rdesc))

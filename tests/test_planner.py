@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.oracle import check_plan
 from weightbus.plan import PlanOptions, allocate, execute, fill_from_canonical, make_plan
 from weightbus.spec import Box, LayoutBuilder, Participant
 
@@ -25,11 +26,18 @@ def _grid(draw, shape):
     """A random grid partition of ``shape``: list of boxes."""
     cuts = []
     for n in shape:
-        inner = sorted(set(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3)))) if n > 1 else []
+        inner = (
+            sorted(set(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3)))) if n > 1 else []
+        )
         cuts.append([0, *inner, n])
     boxes = []
     for idx in itertools.product(*[range(len(c) - 1) for c in cuts]):
-        boxes.append(Box(tuple(c[i] for c, i in zip(cuts, idx)), tuple(c[i + 1] for c, i in zip(cuts, idx))))
+        boxes.append(
+            Box(
+                tuple(c[i] for c, i in zip(cuts, idx, strict=True)),
+                tuple(c[i + 1] for c, i in zip(cuts, idx, strict=True)),
+            )
+        )
     return boxes
 
 
@@ -47,7 +55,9 @@ def scenarios(draw):
         shardings = 2 if draw(st.booleans()) and draw(st.booleans()) else 1  # mixed shardings
         for _ in range(shardings):
             for box in _grid(draw, shape):
-                holders = draw(st.lists(st.integers(0, n_w - 1), min_size=1, max_size=n_w, unique=True))
+                holders = draw(
+                    st.lists(st.integers(0, n_w - 1), min_size=1, max_size=n_w, unique=True)
+                )
                 for w in holders:
                     if (name, box) not in [(t, b) for t, b in wpieces[w]]:
                         wpieces[w].append((name, box))
@@ -97,10 +107,6 @@ def _reader_layout(rank, tensors, pieces, dtype, fuse, pad):
     return b.build()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_layouts_reference_execution_is_exact(sc):
@@ -110,39 +116,12 @@ def test_random_layouts_reference_execution_is_exact(sc):
     writers = [_writer_layout(w, tensors, p, pad) for w, p in wpieces.items()]
     readers = [_reader_layout(r, tensors, p, rdtype, fuse, pad) for r, p in rpieces.items()]
     # a tensor no reader wants is allowed here through ignore_unread
-    opts = PlanOptions(bucket_bytes=bucket, cast={"float32": rdtype}, ignore_unread=("t*",), direct_bytes=direct)
+    opts = PlanOptions(
+        bucket_bytes=bucket, cast={"float32": rdtype}, ignore_unread=("t*",), direct_bytes=direct
+    )
     plan = make_plan(writers, readers, opts)
 
-    wt = [allocate(lay) for lay in writers]  # poisoned: a route reading outside a piece shows
-    for lay, t in zip(writers, wt):
-        fill_from_canonical(lay, canon, t)
-    got = [allocate(lay) for lay in readers]
-    execute(plan, wt, got)
-
-    want_canon = {n: v.to(getattr(torch, rdtype)) for n, v in canon.items()}
-    for lay, g in zip(readers, got):
-        want = allocate(lay)
-        fill_from_canonical(lay, want_canon, want)
-        for key in want:
-            assert torch.equal(_bits(g[key]), _bits(want[key])), (lay.name, key)
-
-    # every reader element covered by a piece is written exactly once, nothing else is written
-    for ri, lay in enumerate(readers):
-        count = {lt.key: torch.zeros(lt.shape, dtype=torch.int32) for lt in lay.locals}
-        cover = {lt.key: torch.zeros(lt.shape, dtype=torch.int32) for lt in lay.locals}
-        for p in lay.iter_pieces():
-            cover[p.key][p.local_box.slices()] += 1
-        r = plan.routes
-        for i in np.flatnonzero(r.dst == ri):
-            key = lay.locals[r.dst_key[i]].key
-            nd = len(lay.locals[r.dst_key[i]].shape)
-            a = r.dst_local[i][-nd:]
-            e = (r.stop[i] - r.start[i])[-nd:]
-            count[key][tuple(slice(x, x + y) for x, y in zip(a.tolist(), e.tolist()))] += 1
-        for key in count:
-            assert torch.equal(count[key], cover[key]), (lay.name, key)
-        # zero redundancy: a reader receives exactly the bytes its pieces cover
-        assert plan.stats.reader_bytes[ri] == lay.nbytes
+    check_plan(plan, writers, readers, canon, getattr(torch, rdtype))
 
     # buckets respect the budget and hold routes of one link; big routes travel alone
     assert (plan.buckets.nbytes <= bucket).all()
@@ -150,7 +129,9 @@ def test_random_layouts_reference_execution_is_exact(sc):
         big = np.flatnonzero(plan.routes.nbytes >= direct)
         assert (plan.buckets.count[plan.routes.bucket[big]] == 1).all()
     r = plan.routes
-    assert (plan.buckets.src[r.bucket] == r.src).all() and (plan.buckets.dst[r.bucket] == r.dst).all()
+    assert (plan.buckets.src[r.bucket] == r.src).all() and (
+        plan.buckets.dst[r.bucket] == r.dst
+    ).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +165,9 @@ def test_plan_digest_is_stable_across_processes_and_hash_seeds():
     digests = set()
     for seed in ("0", "1", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         digests.add(out.stdout.strip())
     w, r = _simple(3, 2)
     digests.add(make_plan(w, r).digest)
@@ -199,7 +182,11 @@ def test_bucket_waves_interleave_links():
     pos = plan.buckets.position
     assert (np.diff(pos) >= 0).all(), "buckets execute in the order of their place in their link"
     waves = plan.buckets.wave
-    first_wave_links = {(int(a), int(b)) for a, b, v in zip(plan.buckets.src, plan.buckets.dst, waves) if v == 0}
+    first_wave_links = {
+        (int(a), int(b))
+        for a, b, v in zip(plan.buckets.src, plan.buckets.dst, waves, strict=True)
+        if v == 0
+    }
     assert first_wave_links == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 

@@ -111,7 +111,9 @@ def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         if mode == "shape":
             config["intermediate_size"] = 96
         model = model_spec(config)
-        layout = engine_layout(model, Participant(role="reader", rank=rank), tp=n_r, tp_rank=rank, dtype="bfloat16")
+        layout = engine_layout(
+            model, Participant(role="reader", rank=rank), tp=n_r, tp_rank=rank, dtype="bfloat16"
+        )
         tensors = allocate(layout)
         ids = {k: id(t) for k, t in tensors.items()}
         if mode == "kill_reader" and rank == 1:
@@ -151,8 +153,12 @@ def _run(mode: str, n_w: int = 2, n_r: int = 2, limit: float = 150.0) -> tuple[d
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(r, store.port, n_w, n_r, mode, q)) for r in range(n_w)]
-    procs += [ctx.Process(target=_reader, args=(r, store.port, n_w, n_r, mode, q)) for r in range(n_r)]
+    procs = [
+        ctx.Process(target=_writer, args=(r, store.port, n_w, n_r, mode, q)) for r in range(n_w)
+    ]
+    procs += [
+        ctx.Process(target=_reader, args=(r, store.port, n_w, n_r, mode, q)) for r in range(n_r)
+    ]
     t0 = time.monotonic()
     for p in procs:
         p.start()

@@ -114,6 +114,8 @@ class _Session:
         self._staging: list[torch.Tensor] = []
         self._device = torch.device("cpu")
         self._seq = 0
+        self.version: int | None = None
+        """The last version this participant synced (for a reader: the one its tensors hold)."""
         self._closed = False
         self.plan_seconds = 0.0
 
@@ -166,6 +168,18 @@ class _Session:
             self.transport.name,
         )
         return plan
+
+    def _finished(
+        self, version: int, nbytes: int, seconds: float, phases: dict[str, float]
+    ) -> SyncResult:
+        """Record a completed sync: advance the sequence and version, log one INFO line."""
+        self._seq += 1
+        self.version = version
+        result = SyncResult(
+            participant=self.name, version=version, bytes=nbytes, seconds=seconds, phases=phases
+        )
+        logger.info("sync %s", result.line())
+        return result
 
     def _fail(self, exc: BaseException) -> None:
         """Tell every other participant, unless the failure came from one of them."""

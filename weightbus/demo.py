@@ -183,7 +183,9 @@ def _trainer(rank: int, args) -> None:
 
         # an RL loop syncs once the engine has finished its rollouts; wait for that here, so
         # the time below is the sync's own
-        writer.control.gather(f"demo-ready/{step}", role="reader", timeout=timedelta(seconds=args.timeout))
+        writer.control.gather(
+            f"demo-ready/{step}", role="reader", timeout=timedelta(seconds=args.timeout)
+        )
         result = writer.sync(step, progress=progress)
         if rank == 0:
             print(

@@ -36,8 +36,6 @@ class Reader(_Session):
         self, *args, on_version: Callable[[SyncResult], None] | None = None, **kwargs
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.version: int | None = None
-        """The version the engine's tensors hold (committed), None before the first sync."""
         self.on_version = on_version
 
     def wait(self, timeout: timedelta | None = None) -> SyncResult:
@@ -80,7 +78,9 @@ class Reader(_Session):
                     # links go on meanwhile
                     free.append(self._unpack_oldest(staged, tensors, phases))
                 buf = free.popleft()
-                staged.append((transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf))
+                staged.append(
+                    (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
+                )
             while staged:
                 self._unpack_oldest(staged, tensors, phases)
             t = time.perf_counter()
@@ -101,16 +101,7 @@ class Reader(_Session):
         except BaseException as exc:
             self._fail(exc)
             raise
-        self._seq += 1
-        self.version = version
-        result = SyncResult(
-            participant=self.name,
-            version=version,
-            bytes=total,
-            seconds=time.perf_counter() - t_start,
-            phases=phases,
-        )
-        logger.info("sync %s", result.line())
+        result = self._finished(version, total, time.perf_counter() - t_start, phases)
         if self.on_version is not None:
             self.on_version(result)
         return result

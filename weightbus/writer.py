@@ -25,10 +25,6 @@ class Writer(_Session):
 
     role = "writer"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.version: int | None = None
-
     def sync(self, version: int, *, progress: Progress | None = None) -> SyncResult:
         """Send this writer's share of the weights as ``version``; return once every reader
         has received and acknowledged it and the version is committed.
@@ -98,14 +94,5 @@ class Writer(_Session):
         except BaseException as exc:
             self._fail(exc)
             raise
-        self._seq += 1
-        self.version = version
-        result = SyncResult(
-            participant=self.name,
-            version=version,
-            bytes=total,
-            seconds=time.perf_counter() - t_start,
-            phases=phases,
-        )
-        logger.info("sync %s", result.line())
+        result = self._finished(version, total, time.perf_counter() - t_start, phases)
         return result

@@ -35,7 +35,13 @@ from pathlib import Path
 
 SCENARIOS = {
     # name: (writer description, reader description, GPUs, target, what the target compares)
-    "S1": ("whole", "vllm:tp=1", 2, 1 / 1.10, "GB/s over the faster of raw NCCL send/recv and peer copy"),
+    "S1": (
+        "whole",
+        "vllm:tp=1",
+        2,
+        1 / 1.10,
+        "GB/s over the faster of raw NCCL send/recv and peer copy",
+    ),
     "S2": ("whole", "vllm:tp=1,dp=3", 4, 1 / 1.15, "raw NCCL broadcast time over sync time"),
     "S4": ("fsdp:shard=2", "vllm:tp=2", 4, 0.85, "aggregate GB/s over two raw send/recv links"),
 }
@@ -71,7 +77,9 @@ def _ceiling_worker(rank: int, world: int, port: int, nbytes: int, iters: int, q
 
         torch.cuda.set_device(rank)
         store = dist.PrefixStore("ceilings", dist.TCPStore("127.0.0.1", port, is_master=False))
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+        )
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         res = {}
 
@@ -104,10 +112,15 @@ def _ceiling_worker(rank: int, world: int, port: int, nbytes: int, iters: int, q
             del other
             half = nbytes // 2
             a, b = buf[:half], torch.empty(half, dtype=torch.uint8, device="cuda")
-            res["d2d_copy"] = [t * 2 for t in _time_cuda(lambda: b.copy_(a), iters)]  # per full size
+            res["d2d_copy"] = [
+                t * 2 for t in _time_cuda(lambda: b.copy_(a), iters)
+            ]  # per full size
             host = torch.empty(min(nbytes, 4 << 30), dtype=torch.uint8, pin_memory=True)
             dev = buf[: len(host)]
-            res["h2d_pinned"] = [t * nbytes / len(host) for t in _time_cuda(lambda: dev.copy_(host, non_blocking=True), iters)]
+            res["h2d_pinned"] = [
+                t * nbytes / len(host)
+                for t in _time_cuda(lambda: dev.copy_(host, non_blocking=True), iters)
+            ]
         dist.barrier()
         dist.destroy_process_group()
         q.put(("ceilings", rank, "ok", res))
@@ -126,7 +139,9 @@ def _canonical(model, device) -> dict:
     out = {}
     for t in model.tensors:
         g = torch.Generator(device=device).manual_seed(zlib.crc32(t.name.encode()))
-        out[t.name] = torch.randn(t.shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+        out[t.name] = torch.randn(t.shape, generator=g, device=device, dtype=torch.float32).to(
+            torch.bfloat16
+        )
     return out
 
 
@@ -192,19 +207,33 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         if role == "reader":
             want = allocate(layout, device=device)
             fill_from_canonical(layout, canon, want)
-            bit_exact = all(torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+            bit_exact = all(
+                torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want
+            )
         side.close()
         q.put(
             (
                 f"{role}-{rank}",
                 rank,
                 "ok",
-                {"times": times, "bit_exact": bit_exact, "bytes": plan.stats.total_bytes, "phases": result.phases,
-                 "transport": side.transport.name if side.transport else "?"},
+                {
+                    "times": times,
+                    "bit_exact": bit_exact,
+                    "bytes": plan.stats.total_bytes,
+                    "phases": result.phases,
+                    "transport": side.transport.name if side.transport else "?",
+                },
             )
         )
     except BaseException as exc:
-        q.put((f"{role}-{rank}", rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        q.put(
+            (
+                f"{role}-{rank}",
+                rank,
+                "error",
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+            )
+        )
 
 
 def _run_group(targets: list[tuple], timeout: float) -> dict:
@@ -231,7 +260,9 @@ def _run_group(targets: list[tuple], timeout: float) -> dict:
             if p.is_alive():
                 p.kill()
     if len(results) < len(procs):
-        raise RuntimeError(f"only {len(results)} of {len(procs)} processes reported within {timeout} s")
+        raise RuntimeError(
+            f"only {len(results)} of {len(procs)} processes reported within {timeout} s"
+        )
     return results
 
 
@@ -254,8 +285,16 @@ def _plot(result: dict, path: Path) -> None:
     names = [s["name"] for s in sc]
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [s["ceiling_gbps"] for s in sc], width=0.4, label="ceiling", color="#bbbbbb")
-    ax.bar([i + 0.2 for i in x], [s["gbps"] for s in sc], width=0.4, label="weightbus", color="#3366cc")
+    ax.bar(
+        [i - 0.2 for i in x],
+        [s["ceiling_gbps"] for s in sc],
+        width=0.4,
+        label="ceiling",
+        color="#bbbbbb",
+    )
+    ax.bar(
+        [i + 0.2 for i in x], [s["gbps"] for s in sc], width=0.4, label="weightbus", color="#3366cc"
+    )
     for i, s in enumerate(sc):
         ax.text(i + 0.2, s["gbps"], f"{s['ratio']:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), names)
@@ -269,17 +308,26 @@ def _plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus bench gpu", description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default="S1,S4,S2", help="comma-separated (default S1,S4,S2)")
-    p.add_argument("--model", default="llama-3-8b", help="model preset (default llama-3-8b, ~16 GB bf16)")
+    p.add_argument(
+        "--model", default="llama-3-8b", help="model preset (default llama-3-8b, ~16 GB bf16)"
+    )
     p.add_argument("--iters", type=int, default=5, help="timed syncs per scenario (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up syncs (default 2)")
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB (default 256)")
-    p.add_argument("--staging", type=int, default=4, help="staging buffers per participant (default 4)")
     p.add_argument(
-        "--direct-mb", type=int, default=None, help="routes this large move in place (default: SyncConfig's)"
+        "--staging", type=int, default=4, help="staging buffers per participant (default 4)"
+    )
+    p.add_argument(
+        "--direct-mb",
+        type=int,
+        default=None,
+        help="routes this large move in place (default: SyncConfig's)",
     )
     p.add_argument("--transport", default="auto", help="transport name or auto")
     p.add_argument("--out", default="bench/results", help="results directory")
-    p.add_argument("--kind", default=None, help="machine kind for the file name (default: from the GPUs)")
+    p.add_argument(
+        "--kind", default=None, help="machine kind for the file name (default: from the GPUs)"
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -292,20 +340,29 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     port = _free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=600))
+    server = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=600)
+    )
     model = model_spec(a.model, dtype="bfloat16")
     nbytes = sum(t.numel for t in model.tensors) * 2
     name = torch.cuda.get_device_name(0)
-    print(f"weightbus bench gpu: {n_gpu} x {name}, model {a.model} ({nbytes / 1e9:.2f} GB bf16)", flush=True)
+    print(
+        f"weightbus bench gpu: {n_gpu} x {name}, model {a.model} ({nbytes / 1e9:.2f} GB bf16)",
+        flush=True,
+    )
 
     world = min(n_gpu, 4)
     print(f"ceilings: {world} GPUs, {nbytes / 1e9:.2f} GB each ...", flush=True)
-    c = _run_group([(_ceiling_worker, (r, world, port, nbytes, a.iters)) for r in range(world)], 900)
+    c = _run_group(
+        [(_ceiling_worker, (r, world, port, nbytes, a.iters)) for r in range(world)], 900
+    )
     ceil = {}
     for k, v in c[("ceilings", 0)].items():
         ceil[k] = statistics.median(v)
     gbps = {k: nbytes / v / 1e9 for k, v in ceil.items()}
-    gbps["nccl_two_links"] = 2 * nbytes / ceil["nccl_two_links"] / 1e9 if "nccl_two_links" in ceil else None
+    gbps["nccl_two_links"] = (
+        2 * nbytes / ceil["nccl_two_links"] / 1e9 if "nccl_two_links" in ceil else None
+    )
     ceilings = {f"{k}_gbps": round(v, 1) for k, v in gbps.items() if v is not None}
     for k, v in ceilings.items():
         print(f"  {k:<24} {v:8.1f}", flush=True)
@@ -320,12 +377,16 @@ def main(argv: list[str] | None = None) -> int:
 
         n_w = len(build_layouts(model, wdesc, "writer"))
         n_r = len(build_layouts(model, rdesc, "reader"))
-        args = argparse.Namespace(**vars(a), scenario=sname, port=port, n_writers=n_w, n_readers=n_r)
+        args = argparse.Namespace(
+            **vars(a), scenario=sname, port=port, n_writers=n_w, n_readers=n_r
+        )
         print(f"{sname}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
         targets = [(_participant_worker, ("writer", r, r, args)) for r in range(n_w)]
         targets += [(_participant_worker, ("reader", r, n_w + r, args)) for r in range(n_r)]
         res = _run_group(targets, 1200)
-        w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
+        w_times = [
+            max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)
+        ]
         moved = res[("writer-0", 0)]["bytes"]
         exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))
         stats = _median(w_times)
@@ -352,8 +413,12 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_means": meaning,
             "bit_exact": exact,
             "transport": res[("writer-0", 0)]["transport"],
-            "writer_phases_last": {k: round(v, 4) for k, v in res[("writer-0", 0)]["phases"].items()},
-            "reader_phases_last": {k: round(v, 4) for k, v in res[("reader-0", 0)]["phases"].items()},
+            "writer_phases_last": {
+                k: round(v, 4) for k, v in res[("writer-0", 0)]["phases"].items()
+            },
+            "reader_phases_last": {
+                k: round(v, 4) for k, v in res[("reader-0", 0)]["phases"].items()
+            },
         }
         scenarios.append(entry)
         print(
@@ -364,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     del server
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
     date = dt.date.today().isoformat()
@@ -389,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {path}", flush=True)
     print(f"{'name':<4} {'GB/s':>8} {'ceiling':>8} {'ratio':>7} {'target':>7} bit-exact")
     for s in scenarios:
-        print(f"{s['name']:<4} {s['gbps']:>8.1f} {s['ceiling_gbps']:>8.1f} {s['ratio']:>7.3f} {s['target']:>7.3f} {s['bit_exact']}")
+        print(
+            f"{s['name']:<4} {s['gbps']:>8.1f} {s['ceiling_gbps']:>8.1f} {s['ratio']:>7.3f} {s['target']:>7.3f} {s['bit_exact']}"
+        )
     return 0
 
 

@@ -25,7 +25,9 @@ READERS = "vllm:tp=8,dp=16,ep=on"
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus bench plan", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="deepseek-v3", help="preset or config.json (default deepseek-v3)")
+    p.add_argument(
+        "--model", default="deepseek-v3", help="preset or config.json (default deepseek-v3)"
+    )
     p.add_argument("--writers", default=WRITERS, help=f"writer layout (default {WRITERS})")
     p.add_argument("--readers", default=READERS, help=f"reader layout (default {READERS})")
     p.add_argument("--repeat", type=int, default=3, help="runs; the best is reported (default 3)")

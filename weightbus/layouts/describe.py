@@ -55,7 +55,9 @@ def parse(description: str) -> tuple[str, dict]:
             try:
                 opts[key] = int(value)
             except ValueError:
-                raise ValueError(f"layout {description!r}: {key}={value!r} is not an integer") from None
+                raise ValueError(
+                    f"layout {description!r}: {key}={value!r} is not an integer"
+                ) from None
             if opts[key] < 1:
                 raise ValueError(f"layout {description!r}: {key}={opts[key]} must be at least 1")
     missing = [k for k, v in opts.items() if v is None]
@@ -64,7 +66,9 @@ def parse(description: str) -> tuple[str, dict]:
     return kind, opts
 
 
-def build_layouts(model: ModelSpec, description: str, role: str, *, dtype: str | None = None) -> list[Layout]:
+def build_layouts(
+    model: ModelSpec, description: str, role: str, *, dtype: str | None = None
+) -> list[Layout]:
     """All participants' layouts of one side (``role`` "writer" or "reader"), sorted by rank."""
     kind, o = parse(description)
 
@@ -73,12 +77,15 @@ def build_layouts(model: ModelSpec, description: str, role: str, *, dtype: str |
 
     if kind == "whole":
         return [
-            megatron_layout(model, who(r), vocab_multiple=1, dtype=dtype) for r in range(o["replicas"])
+            megatron_layout(model, who(r), vocab_multiple=1, dtype=dtype)
+            for r in range(o["replicas"])
         ]
     if kind == "fsdp":
         s, e = o["shard"], o["ep"]
         return [
-            fsdp_layout(model, who(ep * s + sh), shard=s, shard_rank=sh, ep=e, ep_rank=ep, dtype=dtype)
+            fsdp_layout(
+                model, who(ep * s + sh), shard=s, shard_rank=sh, ep=e, ep_rank=ep, dtype=dtype
+            )
             for ep in range(e)
             for sh in range(s)
         ]

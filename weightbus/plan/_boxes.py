@@ -52,7 +52,9 @@ def lexsort_rows(*cols: np.ndarray) -> np.ndarray:
     return np.lexsort(keys[::-1])
 
 
-def _sweep_dims(group: np.ndarray, start: np.ndarray, stop: np.ndarray, n_groups: int) -> np.ndarray:
+def _sweep_dims(
+    group: np.ndarray, start: np.ndarray, stop: np.ndarray, n_groups: int
+) -> np.ndarray:
     """Per group, the dim its boxes are cut along most: the largest span of starts measured
     in the group's longest extent along that dim (a cheap stand-in for distinct starts)."""
     ndim = start.shape[1]

@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog=describe.__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help=f"a config.json path or a preset: {', '.join(PRESETS)}")
+    p.add_argument(
+        "--model", required=True, help=f"a config.json path or a preset: {', '.join(PRESETS)}"
+    )
     p.add_argument("--writers", required=True, help="trainer-side layout description")
     p.add_argument("--readers", required=True, help="inference-side layout description")
     p.add_argument("--writer-dtype", default=None, help="trainer dtype (default: the model's)")

@@ -352,7 +352,9 @@ def _local_shapes(lay: Layout, ndim: int) -> np.ndarray:
     table = lay._memo.get(key)
     if table is None:
         shapes = list(map(_SHAPE, lay.locals))
-        table = lay._memo[key] = _shape_table(shapes, ndim) if shapes else np.ones((1, ndim), np.int64)
+        table = lay._memo[key] = (
+            _shape_table(shapes, ndim) if shapes else np.ones((1, ndim), np.int64)
+        )
     return table
 
 
@@ -458,7 +460,9 @@ def _check_bounds(
         )
 
 
-def _self_overlaps(group: np.ndarray, start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _self_overlaps(
+    group: np.ndarray, start: np.ndarray, stop: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Pairs ``i < j`` of rows in the same group whose boxes overlap (only groups of 2+ rows)."""
     _, inv, counts = np.unique(group, return_inverse=True, return_counts=True)
     rows = np.flatnonzero(counts[inv] > 1)
@@ -599,7 +603,9 @@ def _split_large(
         new_stop[sel, d] = np.minimum(new_start[sel, d] + step[src], stop[src, d])
         rows, start, stop = rows[src], new_start, new_stop
         # a single element cannot be cut further, whatever the limit
-        still = (volume(start, stop) * elem_bytes[rows] > np.maximum(limit[rows], 1)) & _any_col(stop - start > 1)
+        still = (volume(start, stop) * elem_bytes[rows] > np.maximum(limit[rows], 1)) & _any_col(
+            stop - start > 1
+        )
         out_rows.append(rows[~still])
         out_start.append(start[~still])
         out_stop.append(stop[~still])
@@ -627,7 +633,12 @@ def _holder_sets(reg: _Regions, w: _Side) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _assign_holders(
-    region: np.ndarray, nbytes: np.ndarray, reg: _Regions, w: _Side, sig_reg: np.ndarray, counts: np.ndarray
+    region: np.ndarray,
+    nbytes: np.ndarray,
+    reg: _Regions,
+    w: _Side,
+    sig_reg: np.ndarray,
+    counts: np.ndarray,
 ) -> np.ndarray:
     """Pick one holder (a writer piece row) per route; see rule 5 in the module docstring.
 
@@ -758,7 +769,9 @@ def _make_plan(
     src, dst = w.part[wrow], r.part[rrow]
 
     # bucket by link, keeping the fixed route order within a link; number buckets wave by wave
-    link_key = (src.astype(np.int64) * len(readers) + dst) << 40 | np.arange(len(src), dtype=np.int64)
+    link_key = (src.astype(np.int64) * len(readers) + dst) << 40 | np.arange(
+        len(src), dtype=np.int64
+    )
     order = np.argsort(link_key)
     src, dst, tens, rs, re_ = src[order], dst[order], tens[order], rs[order], re_[order]
     wrow, rrow, nbytes = wrow[order], rrow[order], nbytes[order]
@@ -868,7 +881,14 @@ def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float)
 
 
 def _digest(
-    writers, readers, specs, src_dtypes, routes: Routes, buckets: Buckets, opts: PlanOptions, ndim: int
+    writers,
+    readers,
+    specs,
+    src_dtypes,
+    routes: Routes,
+    buckets: Buckets,
+    opts: PlanOptions,
+    ndim: int,
 ) -> str:
     h = hashlib.sha256()
     h.update(b"weightbus.plan/1\0")
@@ -879,7 +899,11 @@ def _digest(
         h.update("|".join(map(_KEY, lay.locals)).encode())
         h.update(_local_shapes(lay, ndim).tobytes())
         h.update("|".join(map(_DTYPE, lay.locals)).encode())
-    h.update(repr([(s.name, s.shape, sd, s.dtype) for s, sd in zip(specs, src_dtypes, strict=True)]).encode())
+    h.update(
+        repr(
+            [(s.name, s.shape, sd, s.dtype) for s, sd in zip(specs, src_dtypes, strict=True)]
+        ).encode()
+    )
     # the other route columns follow from these and the layouts
     for f in ("src", "dst", "tensor", "start", "stop", "bucket", "offset"):
         a = getattr(routes, f)

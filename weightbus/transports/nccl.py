@@ -121,7 +121,12 @@ class NcclTransport(Transport):
 
     def _connect(self) -> None:
         control, roster, me = self.control, self.roster, self.participant
-        assert control is not None and roster is not None and me is not None and self.timeout is not None
+        assert (
+            control is not None
+            and roster is not None
+            and me is not None
+            and self.timeout is not None
+        )
         self._device = _device(me)
         torch.cuda.set_device(self._device)
         self._rank = roster.global_rank(me.name)
@@ -142,7 +147,12 @@ class NcclTransport(Transport):
                 elif me.name == r.name:
                     self._pg.recv([one], roster.global_rank(w.name), 0).wait()
         torch.cuda.synchronize(self._device)
-        logger.debug("weightbus nccl: %s connected (rank %d) in %.2f s", me.name, self._rank, time.monotonic() - t0)
+        logger.debug(
+            "weightbus nccl: %s connected (rank %d) in %.2f s",
+            me.name,
+            self._rank,
+            time.monotonic() - t0,
+        )
 
     def _issue(self, handle: Handle, buf: torch.Tensor) -> None:
         assert self._pg is not None and self.roster is not None and self._poller is not None
