@@ -270,73 +270,79 @@ def _unique_specs(group: Sequence[Layout]) -> tuple[list[TensorSpec], list[int],
     return [flat[i] for i in first.tolist()], owner.tolist(), per_layout
 
 
-def _merge_tensors(
-    writers: Sequence[Layout], readers: Sequence[Layout], opts: PlanOptions
-) -> tuple[list[TensorSpec], list[str], list[np.ndarray], list[np.ndarray]]:
-    """One global tensor table; checks shapes and dtypes; maps each layout's tensor ids."""
-    first: dict[str, tuple[TensorSpec, Layout]] = {}
-    dtypes: list[dict[str, tuple[str, Layout]]] = []
-    uniques = []
-    for group in (writers, readers):
-        specs, owner, per_layout = _unique_specs(group)
-        uniques.append((specs, per_layout))
-        dt: dict[str, tuple[str, Layout]] = {}
-        dtypes.append(dt)
+def _role_specs(group: Sequence[Layout]) -> tuple[dict[str, TensorSpec], list, list[np.ndarray]]:
+    """One spec per tensor name for a group of layouts; all of the group's participants must
+    agree on its shape and dtype."""
+    specs, owner, per_layout = _unique_specs(group)
+    by_name = dict(zip(map(_NAME, specs), specs, strict=True))
+    if len(by_name) != len(specs):  # several spec objects for one name (e.g. deserialised)
+        first: dict[str, tuple[TensorSpec, Layout]] = {}
         for spec, o in zip(specs, owner, strict=True):
             lay = group[o]
-            seen = first.get(spec.name)
-            if seen is None:
-                first[spec.name] = (spec, lay)
-            elif seen[0].shape != spec.shape:
+            seen = first.setdefault(spec.name, (spec, lay))
+            if seen[0].shape != spec.shape:
                 raise LayoutError(
                     f"{spec.name}: {_who([lay], 0)} has shape {spec.shape}, "
                     f"{_who([seen[1]], 0)} has {seen[0].shape}: both sides must describe the "
                     "same checkpoint (check the model config on both sides)"
                 )
-            prev = dt.get(spec.name)
-            if prev is None:
-                dt[spec.name] = (spec.dtype, lay)
-            elif prev[0] != spec.dtype:
+            if seen[0].dtype != spec.dtype:
                 raise LayoutError(
-                    f"{spec.name}: {_who([lay], 0)} holds {spec.dtype}, {_who([prev[1]], 0)} "
-                    f"holds {prev[0]}: all {lay.role}s must use one dtype per tensor"
+                    f"{spec.name}: {_who([lay], 0)} holds {spec.dtype}, {_who([seen[1]], 0)} "
+                    f"holds {seen[0].dtype}: all {lay.role}s must use one dtype per tensor"
                 )
-    wdtype, rdtype = dtypes
-    names = sorted(first)
+    return by_name, specs, per_layout
+
+
+def _holder(group: Sequence[Layout], name: str) -> Layout:
+    """The first layout of a group that names tensor ``name`` (for messages)."""
+    return next(lay for lay in group if any(t.name == name for t in lay.tensors))
+
+
+def _merge_tensors(
+    writers: Sequence[Layout], readers: Sequence[Layout], opts: PlanOptions
+) -> tuple[list[TensorSpec], list[str], list[np.ndarray], list[np.ndarray]]:
+    """One global tensor table; checks shapes and dtypes; maps each layout's tensor ids."""
+    wmap, wspecs, wper = _role_specs(writers)
+    rmap, rspecs, rper = _role_specs(readers)
+    for n in rmap.keys() - wmap.keys():
+        rs = rmap[n]
+        lay = _holder(readers, n)
+        raise LayoutError(
+            f"{lay.role} {lay.name!r} expects {n} {rs.shape} {rs.dtype}, but no writer holds it: "
+            "add it to the trainer's layout, or drop it from the reader's"
+        )
+    names = sorted(wmap)
     specs, src_dtypes = [], []
     for n in names:
-        spec0, _ = first[n]
-        shape = spec0.shape
-        if n not in wdtype:
-            lay = rdtype[n][1]
-            raise LayoutError(
-                f"{lay.role} {lay.name!r} expects {n} {shape} {rdtype[n][0]}, but no writer holds it: "
-                "add it to the trainer's layout, or drop it from the reader's"
-            )
-        src = wdtype[n][0]
-        if n not in rdtype:
+        ws = wmap[n]
+        rs = rmap.get(n)
+        if rs is None:
             if not any(fnmatch.fnmatchcase(n, pat) for pat in opts.ignore_unread):
-                lay = wdtype[n][1]
+                lay = _holder(writers, n)
                 raise LayoutError(
-                    f"{lay.role} {lay.name!r} holds {n} {shape} {src}, but no reader expects it: "
+                    f"{lay.role} {lay.name!r} holds {n} {ws.shape} {ws.dtype}, but no reader expects it: "
                     f"pass ignore_unread=({n!r},) (or a pattern) if the engine does not need it"
                 )
-            dst = src
-        else:
-            dst = rdtype[n][0]
-            if not opts.cast_to(src, dst):
+            rs = ws
+        elif rs is not ws:
+            if rs.shape != ws.shape:
                 raise LayoutError(
-                    f"reader {rdtype[n][1].name!r} expects {n} as {shape} {dst}, writers hold {shape} "
-                    f"{src} ({wdtype[n][1].name!r}): pass cast={{{src!r}: {dst!r}}}"
+                    f"{n}: reader {_holder(readers, n).name!r} has shape {rs.shape}, "
+                    f"writer {_holder(writers, n).name!r} has {ws.shape}: both sides must describe the "
+                    "same checkpoint (check the model config on both sides)"
                 )
-        specs.append(spec0 if spec0.dtype == dst else TensorSpec(name=n, shape=shape, dtype=dst))
-        src_dtypes.append(src)
+            if not opts.cast_to(ws.dtype, rs.dtype):
+                raise LayoutError(
+                    f"reader {_holder(readers, n).name!r} expects {n} as {rs.shape} {rs.dtype}, writers hold "
+                    f"{ws.shape} {ws.dtype} ({_holder(writers, n).name!r}): pass cast={{{ws.dtype!r}: {rs.dtype!r}}}"
+                )
+        specs.append(rs)
+        src_dtypes.append(ws.dtype)
     index = {n: i for i, n in enumerate(names)}
-    maps = []
-    for uspecs, per_layout in uniques:
-        glob = np.fromiter((index[sp.name] for sp in uspecs), np.int64, len(uspecs))
-        maps.append([glob[inv] for inv in per_layout])
-    return specs, src_dtypes, maps[0], maps[1]
+    wglob = np.fromiter(map(index.__getitem__, map(_NAME, wspecs)), np.int64, len(wspecs))
+    rglob = np.fromiter(map(index.__getitem__, map(_NAME, rspecs)), np.int64, len(rspecs))
+    return specs, src_dtypes, [wglob[inv] for inv in wper], [rglob[inv] for inv in rper]
 
 
 def _shape_table(shapes: Sequence[tuple[int, ...]], ndim: int) -> np.ndarray:
@@ -358,6 +364,7 @@ def _local_shapes(lay: Layout, ndim: int) -> np.ndarray:
     return table
 
 
+_NAME = operator.attrgetter("name")
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _KEY = operator.attrgetter("key")
@@ -396,28 +403,37 @@ def _any_col(mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _check_local_dtypes(layouts: Sequence[Layout]) -> None:
+_DTYPE_CODE: dict[str, int] = {}
+
+
+def _dtype_codes(names) -> np.ndarray:
+    """Small integer codes for dtype names (stable within this process)."""
+    return np.fromiter((_DTYPE_CODE.setdefault(d, len(_DTYPE_CODE)) for d in names), np.int64)
+
+
+def _local_dtypes(lay: Layout) -> np.ndarray:
+    codes = lay._memo.get("local_dtypes")
+    if codes is None:
+        codes = lay._memo["local_dtypes"] = _dtype_codes(map(_DTYPE, lay.locals))
+    return codes
+
+
+def _check_local_dtypes(
+    layouts: Sequence[Layout], side: _Side, role_dtypes: list[str], specs: list[TensorSpec]
+) -> None:
     """A piece's local tensor must have the dtype its participant declares for the tensor."""
-    for lay in layouts:
-        p = lay.pieces
-        if not len(p):
-            continue
-        codes = {
-            d: i
-            for i, d in enumerate(
-                sorted({t.dtype for t in lay.tensors} | {t.dtype for t in lay.locals})
-            )
-        }
-        tcode = np.array([codes[t.dtype] for t in lay.tensors], np.int64)
-        lcode = np.array([codes[t.dtype] for t in lay.locals], np.int64)
-        bad = np.flatnonzero(tcode[p.tensor] != lcode[p.key])
-        if len(bad):
-            spec, local = lay.tensors[p.tensor[bad[0]]], lay.locals[p.key[bad[0]]]
-            raise LayoutError(
-                f"{lay.role} {lay.name!r}: {spec.name} is declared {spec.dtype} but its piece lives in "
-                f"local tensor {local.key!r} of dtype {local.dtype}: declare the tensor with the "
-                "local dtype (casts happen between participants, through PlanOptions.cast)"
-            )
+    want = _dtype_codes(role_dtypes)
+    local = np.concatenate([_local_dtypes(lay)[lay.pieces.key] for lay in layouts])
+    bad = np.flatnonzero(local != want[side.tensor])
+    if len(bad):
+        i = int(bad[0])
+        lay = layouts[side.part[i]]
+        spec, lt = specs[side.tensor[i]], lay.locals[side.key[i]]
+        raise LayoutError(
+            f"{lay.role} {lay.name!r}: {spec.name} is declared {role_dtypes[side.tensor[i]]} but its "
+            f"piece lives in local tensor {lt.key!r} of dtype {lt.dtype}: declare the tensor with "
+            "the local dtype (casts happen between participants, through PlanOptions.cast)"
+        )
 
 
 def _fmt_box(start: np.ndarray, stop: np.ndarray, nd: int) -> str:
@@ -702,10 +718,10 @@ def _make_plan(
     shapes = _shape_table([s.shape for s in specs], ndim)
     wire_size = np.array([itemsize(s.dtype) for s in specs], np.int64)
 
-    _check_local_dtypes(writers)
-    _check_local_dtypes(readers)
     w = _gather_side(writers, wmaps, ndim)
     r = _gather_side(readers, rmaps, ndim)
+    _check_local_dtypes(writers, w, src_dtypes, specs)
+    _check_local_dtypes(readers, r, [sp.dtype for sp in specs], specs)
     _check_bounds(w, writers, shapes, specs)
     _check_bounds(r, readers, shapes, specs)
     _check_reader_overlaps(r, readers, specs)
@@ -758,7 +774,8 @@ def _make_plan(
     limit = opts.bucket_bytes // 2
     sig_reg, counts = _holder_sets(reg, w)
     k = counts[region]
-    _, set_id = np.unique(sig_reg[region], return_inverse=True)
+    _, set_of_region = np.unique(sig_reg, return_inverse=True)
+    set_id = set_of_region[region]
     share = np.bincount(set_id, weights=volume(rs, re_) * wire_size[tens])[set_id] / k
     route_limit = np.where(k > 1, np.clip(share / 64, _MIN_SPLIT, limit), limit) - opts.align
     src_idx, rs, re_ = _split_large(rs, re_, wire_size[tens], route_limit.astype(np.int64))
@@ -787,8 +804,13 @@ def _make_plan(
     link_base = np.append(0, cum)[link_first][link_id]
     pos = cum - packed - link_base
     seq = np.arange(n, dtype=np.int64)
-    key = np.where(alone, (1 << 40) + seq, pos // limit)
-    _, b_of_route = np.unique((link_id.astype(np.int64) << 41) | key, return_inverse=True)
+    # packed routes: a bucket per (link, chunk), in route order; lone routes: a bucket each
+    small = np.flatnonzero(~alone)
+    chunk = pos[small] // limit
+    starts = group_starts([link_id[small], chunk])
+    b_of_route = np.empty(n, np.int64)
+    b_of_route[small] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(small))))
+    b_of_route[alone] = len(starts) + np.arange(int(alone.sum()))
     n_b = int(b_of_route.max()) + 1 if n else 0
     b_first_route = np.full(n_b, n, np.int64)
     np.minimum.at(b_first_route, b_of_route, seq)
@@ -813,7 +835,7 @@ def _make_plan(
     new_id[exec_order] = np.arange(n_b)
     bucket = new_id[b_of_route]
     # routes sorted by (bucket, offset)
-    rord = np.lexsort((offset, bucket))
+    rord = np.argsort(bucket * (int(offset.max(initial=0)) + 1) + offset)
     first = np.searchsorted(bucket[rord], np.arange(n_b))
     routes = Routes(
         src=src[rord].astype(np.int32),
