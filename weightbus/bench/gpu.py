@@ -47,6 +47,16 @@ SCENARIOS = {
 }
 
 
+CEILING_NOTES = {
+    "nccl_sendrecv": "one message of the model's bytes, GPU 0 -> GPU 1, batched isend/irecv",
+    "nccl_two_links": "GPU 0 -> 2 and GPU 1 -> 3 at once; bytes of both links over the time",
+    "nccl_broadcast": "GPU 0 -> all, the model's bytes",
+    "ipc_pull": "copy-engine peer copy GPU 0 -> GPU 1 within one process (the engine CUDA IPC pulls use)",
+    "d2d_copy": "same-GPU copy, bytes copied per second",
+    "h2d_pinned": "pinned host -> GPU 0, 4 GiB, scaled",
+}
+
+
 def _median(xs: list[float]) -> dict:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs)}
 
@@ -439,13 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": date,
         "machine": f"{n_gpu}x {name}",
-        "commit": commit or os.environ.get("WEIGHTBUS_COMMIT", ""),
+        "commit": commit,
         "model": a.model,
         "bucket_mb": a.bucket_mb,
         "staging_buffers": a.staging,
         "direct_mb": a.direct_mb,
         "iters": a.iters,
         "ceilings": ceilings,
+        "ceiling_notes": CEILING_NOTES,
         "scenarios": scenarios,
     }
     out = Path(a.out)
