@@ -129,12 +129,12 @@ class _Session:
         A layout disagreement raises :class:`~weightbus.spec.LayoutError` here, on every
         participant, before any byte moves.
         """
-        t0 = time.perf_counter()
         try:
             self.control.connect()
             writers, readers = self.control.exchange_layouts(self.bound.layout)
+            t_plan = time.perf_counter()
             plan = make_plan(writers, readers, self.config.plan_options())
-            self.plan_seconds = time.perf_counter() - t0
+            self.plan_seconds = time.perf_counter() - t_plan
             self.control.agree("plan", plan.digest)
             index = self.bound.layout.rank
             self.ops = build_program(plan, self.role, index)

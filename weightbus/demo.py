@@ -98,7 +98,7 @@ def _bar(done: int, total: int, width: int = 28) -> str:
     return "[" + "#" * full + "." * (width - full) + "]"
 
 
-def _control(args, role: str, rank: int):
+def _control(args):
     from weightbus.control.store import ControlConfig
 
     return ControlConfig(
@@ -153,7 +153,7 @@ def _trainer(rank: int, args) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    writer = Writer(bind(model, "writer", rank), _control(args, "writer", rank), _sync_config(args))
+    writer = Writer(bind(model, "writer", rank), _control(args), _sync_config(args))
     plan = writer.connect()
     if rank == 0:
         s = plan.stats
@@ -228,7 +228,7 @@ def _inference(rank: int, args) -> None:
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.trainers + rank}")
     torch.manual_seed(100 + rank)  # starts from other weights than the trainer's
     model = LlamaForCausalLM(_llama_config(args.size)).to(torch.bfloat16).to(device).eval()
-    reader = Reader(bind(model, "reader", rank), _control(args, "reader", rank), _sync_config(args))
+    reader = Reader(bind(model, "reader", rank), _control(args), _sync_config(args))
     reader.connect()
     for step in range(1, args.steps + 1):
         reader.control.post(f"demo-ready/{step}", {})

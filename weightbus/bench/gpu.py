@@ -438,12 +438,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     del server
+    # the commit measured: git's answer where this is a checkout, else $WEIGHTBUS_COMMIT
+    commit = os.environ.get("WEIGHTBUS_COMMIT", "")
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        if git.returncode == 0 and len(git.stdout.strip()) == 40:
+            commit = git.stdout.strip()
     except OSError:
-        commit = ""
+        pass
     date = dt.date.today().isoformat()
     kind = a.kind or f"{n_gpu}x{name.split()[-1].lower()}"
     result = {

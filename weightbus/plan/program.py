@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from weightbus.plan.planner import TransferPlan
@@ -114,8 +113,3 @@ def unpack(op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor)
     that require grad included: the engine's autograd state is not touched)."""
     for c in op.copies:
         tensors[c.key][c.index].copy_(_wire_view(buf, c))
-
-
-def route_counts(plan: TransferPlan) -> np.ndarray:
-    """Routes per bucket (for statistics)."""
-    return plan.buckets.count

@@ -71,8 +71,9 @@ class _Poller:
                 if native is None or native[1].query():
                     done.append(h)
             if done:
+                gone = set(map(id, done))
                 with self.lock:
-                    self.items = [h for h in self.items if h not in done]
+                    self.items = [h for h in self.items if id(h) not in gone]
                 for h in done:
                     self.transport._completed(h)
             else:
