@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from weightbus.layouts.families import model_spec
     from weightbus.plan import make_plan
     from weightbus.plan.cli import print_report, report
+    from weightbus.spec import LayoutError
 
     best = None
     for i in range(a.repeat):
@@ -48,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
             model = model_spec(a.model)
             writers = build_layouts(model, a.writers, "writer")
             readers = build_layouts(model, a.readers, "reader")
+            t1 = time.perf_counter()
+            plan = make_plan(writers, readers)
+        except (ValueError, KeyError, LayoutError) as exc:
+            print(f"weightbus bench plan: {exc}", file=sys.stderr)
+            return 2
         finally:
             gc.enable()
-        t1 = time.perf_counter()
-        plan = make_plan(writers, readers)
         t2 = time.perf_counter()
         print(
             f"run {i + 1}/{a.repeat}: model + {len(writers) + len(readers)} layouts {t1 - t0:.3f} s, "
