@@ -213,6 +213,17 @@ class _Session:
         self.close()
 
 
+class _Deadline:
+    """One bound for a whole sync: each wait inside it gets what is left."""
+
+    def __init__(self, limit: timedelta) -> None:
+        self.end = time.monotonic() + limit.total_seconds()
+
+    def left(self) -> timedelta:
+        # never zero: a wait given nothing would fail before checking once
+        return timedelta(seconds=max(self.end - time.monotonic(), 0.001))
+
+
 def _direct_buffer(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The live bytes of a one-route bucket whose region is contiguous and needs no cast."""
     if len(op.copies) != 1:

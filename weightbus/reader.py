@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch
 
-from weightbus._session import SyncResult, _Session
+from weightbus._session import SyncResult, _Deadline, _Session
 from weightbus.errors import WeightbusError
 from weightbus.plan.program import unpack
 
@@ -23,7 +23,7 @@ class Reader(_Session):
     """One inference participant (one process, one device), writing into the engine's live
     tensors in place: the engine keeps its tensor objects.
 
-    >>> reader = Reader(bound, ControlConfig(addr="trainer0:29600", num_writers=2, num_readers=2))
+    >>> reader = Reader(bound, ControlConfig(address="trainer0:29700", num_writers=2, num_readers=2))
     >>> reader.connect()
     >>> while True:
     ...     result = reader.wait()          # blocks until the trainer's next sync is committed
@@ -53,6 +53,7 @@ class Reader(_Session):
                 f"begin/{seq}", role="writer", timeout=timeout or cfg.step_timeout
             )
             t_start = time.perf_counter()
+            deadline = _Deadline(cfg.sync_timeout)
             versions = {b["version"] for b in begins.values()}
             if len(versions) != 1:
                 raise WeightbusError(
@@ -76,15 +77,15 @@ class Reader(_Session):
                 if not free:
                     # only the oldest staged receive frees a buffer; in-place receives on other
                     # links go on meanwhile
-                    free.append(self._unpack_oldest(staged, tensors, phases))
+                    free.append(self._unpack_oldest(staged, tensors, phases, deadline))
                 buf = free.popleft()
                 staged.append(
                     (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
                 )
             while staged:
-                self._unpack_oldest(staged, tensors, phases)
+                self._unpack_oldest(staged, tensors, phases, deadline)
             t = time.perf_counter()
-            transport.wait(direct, cfg.sync_timeout)
+            transport.wait(direct, deadline.left())
             phases["transfer"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once
@@ -95,7 +96,7 @@ class Reader(_Session):
             t = time.perf_counter()
             control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
             control.gather(
-                f"commit/{seq}", names=[self.plan.writers[0].name], timeout=cfg.sync_timeout
+                f"commit/{seq}", names=[self.plan.writers[0].name], timeout=deadline.left()
             )
             phases["control"] += time.perf_counter() - t
         except BaseException as exc:
@@ -106,11 +107,11 @@ class Reader(_Session):
             self.on_version(result)
         return result
 
-    def _unpack_oldest(self, staged: deque, tensors, phases: dict[str, float]):
+    def _unpack_oldest(self, staged: deque, tensors, phases: dict[str, float], deadline: _Deadline):
         """Wait for the oldest staged receive, unpack it; return its staging buffer."""
         handle, op, buf = staged.popleft()
         t = time.perf_counter()
-        self.transport.wait([handle], self.config.sync_timeout)
+        self.transport.wait([handle], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
         unpack(op, tensors, buf[: op.nbytes])

@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 
-from weightbus._session import Progress, SyncResult, _Session
+from weightbus._session import Progress, SyncResult, _Deadline, _Session
 from weightbus.errors import WeightbusError
 from weightbus.plan.program import pack
 
@@ -18,7 +18,7 @@ __all__ = ["Writer"]
 class Writer(_Session):
     """One trainer participant (one process, one device).
 
-    >>> writer = Writer(bound, ControlConfig(addr="trainer0:29600", num_writers=2, num_readers=2))
+    >>> writer = Writer(bound, ControlConfig(address="trainer0:29700", num_writers=2, num_readers=2))
     >>> writer.connect()               # every writer and reader connects; plans once
     >>> result = writer.sync(step)     # after each optimizer step
     """
@@ -40,7 +40,7 @@ class Writer(_Session):
             )
         cfg, control, transport = self.config, self.control, self.transport
         seq = self._seq
-        timeout = cfg.sync_timeout
+        deadline = _Deadline(cfg.sync_timeout)
         phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
         t_start = time.perf_counter()
         try:
@@ -61,7 +61,7 @@ class Writer(_Session):
                         # links go on meanwhile
                         t = time.perf_counter()
                         handle, buf = staged.popleft()
-                        transport.wait([handle], timeout)
+                        transport.wait([handle], deadline.left())
                         phases["transfer"] += time.perf_counter() - t
                         free.append(buf)
                     buf = free.popleft()
@@ -74,11 +74,11 @@ class Writer(_Session):
                 if progress is not None:
                     progress(done, total)
             t = time.perf_counter()
-            transport.wait(direct + [h for h, _ in staged], timeout)
+            transport.wait(direct + [h for h, _ in staged], deadline.left())
             phases["transfer"] += time.perf_counter() - t
 
             t = time.perf_counter()
-            acks = control.gather(f"ack/{seq}", role="reader", timeout=timeout)
+            acks = control.gather(f"ack/{seq}", role="reader", timeout=deadline.left())
             bad = {
                 name: a
                 for name, a in acks.items()
