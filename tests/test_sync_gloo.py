@@ -218,7 +218,10 @@ def test_writer_killed_mid_sync_makes_readers_raise_naming_it():
     "mode, message",
     [
         ("missing", "expects model.norm.weight (64,) bfloat16, but no writer holds it"),
-        ("shape", "down_proj.weight: reader 'reader-0' has shape (64, 96), writer 'writer-0' has (64, 128)"),
+        (
+            "shape",
+            "down_proj.weight: reader 'reader-0' has shape (64, 96), writer 'writer-0' has (64, 128)",
+        ),
     ],
 )
 def test_layout_errors_raise_at_connect_on_both_sides(mode, message):

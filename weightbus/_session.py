@@ -151,6 +151,12 @@ class _Session:
                 torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
             ]
             self.transport.register(self._staging)
+            sends = []
+            if self.role == "writer":
+                for op, live in zip(self.ops, self.direct, strict=True):
+                    what = ", ".join(sorted({c.tensor for c in op.copies}))
+                    sends.append((op.peer_global, op.bucket, live, what))
+            self.transport.expose(sends)
             self.plan = plan
         except BaseException as exc:
             self._fail(exc)

@@ -44,6 +44,7 @@ class Writer(_Session):
         phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
         t_start = time.perf_counter()
         try:
+            transport.begin()
             control.post(f"begin/{seq}", {"version": version})
             total = sum(op.nbytes for op in self.ops)
             done = 0

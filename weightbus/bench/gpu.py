@@ -13,6 +13,9 @@ Scenarios (names from the project's bench guide):
   S1  1 writer GPU -> 1 reader GPU (whole model; reader holds vLLM-style fused parameters)
   S2  1 writer GPU -> 3 reader GPUs, each gets the full model
   S4  FSDP2 on 2 GPUs -> tensor parallel 2 on 2 other GPUs
+  S3  colocated: writer and reader processes on one GPU (needs the cuda_ipc transport)
+
+``--scenarios S1@cuda_ipc,S1@nccl`` runs a scenario over a given transport.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ SCENARIOS = {
     ),
     "S2": ("whole", "vllm:tp=1,dp=3", 4, 1 / 1.15, "raw NCCL broadcast time over sync time"),
     "S4": ("fsdp:shard=2", "vllm:tp=2", 4, 0.85, "aggregate GB/s over two raw send/recv links"),
+    "S3": ("whole", "vllm:tp=1", 1, 0.75, "GB/s over same-GPU device-to-device copy"),
 }
+COLOCATED = {"S3"}  # writer and reader processes on the same GPU
 
 
 CEILING_NOTES = {
@@ -167,6 +172,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
         wdesc, rdesc, *_ = SCENARIOS[args.scenario]
+        transport = args.scenario_transport or args.transport
         model = model_spec(args.model, dtype="bfloat16")
         layout = build_layouts(model, wdesc if role == "writer" else rdesc, role)[rank]
         me = Participant(role=role, rank=rank, host=socket.gethostname(), device=str(device))
@@ -182,15 +188,17 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             num_readers=args.n_readers,
             address=f"127.0.0.1:{args.port}",
             host_store=False,
-            job=f"bench-{args.scenario}",
+            job=f"bench-{args.scenario}-{args.scenario_transport or 'auto'}",
             timeout=dt.timedelta(seconds=300),
         )
         extra = {} if args.direct_mb is None else {"direct_bytes": args.direct_mb << 20}
+        if args.direct_mb is None and (transport == "cuda_ipc" or args.scenario in COLOCATED):
+            extra = {"direct_bytes": 1}  # readers pull every route on its own, in place
         sync = SyncConfig(
             **extra,
             bucket_bytes=args.bucket_mb << 20,
             staging_buffers=args.staging,
-            transport=args.transport,
+            transport=transport,
             sync_timeout=dt.timedelta(seconds=120),
             step_timeout=dt.timedelta(seconds=300),
         )
@@ -317,7 +325,11 @@ def _plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus bench gpu", description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", default="S1,S4,S2", help="comma-separated (default S1,S4,S2)")
+    p.add_argument(
+        "--scenarios",
+        default="S1,S1@cuda_ipc,S3,S4,S2",
+        help="comma-separated (default S1,S1@cuda_ipc,S3,S4,S2)",
+    )
     p.add_argument(
         "--model", default="llama-3-8b", help="model preset (default llama-3-8b, ~16 GB bf16)"
     )
@@ -378,10 +390,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<24} {v:8.1f}", flush=True)
 
     scenarios = []
-    for sname in [s.strip() for s in a.scenarios.split(",") if s.strip()]:
+    for spec in [s.strip() for s in a.scenarios.split(",") if s.strip()]:
+        sname, _, s_transport = spec.partition("@")
+        if sname not in SCENARIOS:
+            print(f"unknown scenario {sname!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+            return 2
         wdesc, rdesc, gpus, target, meaning = SCENARIOS[sname]
         if gpus > n_gpu:
-            print(f"{sname}: needs {gpus} GPUs, this machine has {n_gpu}: skipped", flush=True)
+            print(f"{spec}: needs {gpus} GPUs, this machine has {n_gpu}: skipped", flush=True)
             continue
         from weightbus.layouts.describe import build_layouts
 
@@ -390,9 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(
             **vars(a), scenario=sname, port=port, n_writers=n_w, n_readers=n_r
         )
-        print(f"{sname}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
+        print(f"{spec}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
         targets = [(_participant_worker, ("writer", r, r, args)) for r in range(n_w)]
-        targets += [(_participant_worker, ("reader", r, n_w + r, args)) for r in range(n_r)]
+        first_reader_gpu = 0 if sname in COLOCATED else n_w
+        targets += [
+            (_participant_worker, ("reader", r, first_reader_gpu + r, args)) for r in range(n_r)
+        ]
         res = _run_group(targets, 1200)
         w_times = [
             max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)
@@ -404,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         if sname == "S1":
             ceiling = max(gbps["nccl_sendrecv"], gbps["ipc_pull"])
             ratio = got / ceiling
+        elif sname == "S3":
+            ceiling = gbps["d2d_copy"]
+            ratio = got / ceiling
         elif sname == "S2":
             ceiling = gbps["nccl_broadcast"] * n_r  # bytes delivered per second by a broadcast
             ratio = ceil["nccl_broadcast"] / stats["median_s"]
@@ -411,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             ceiling = gbps["nccl_two_links"]
             ratio = got / ceiling
         entry = {
-            "name": sname,
+            "name": sname if not s_transport else f"{sname}@{s_transport}",
             "writers": wdesc,
             "readers": rdesc,
             "bytes": moved,

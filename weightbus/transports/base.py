@@ -17,7 +17,13 @@ Lifecycle, identical for every transport::
                         The staging buffers, or live tensors, that sends and receives will use.
                         Transports that must pin or register memory (RDMA, IPC) do it here;
                         others only check device and layout.
-    4. per sync         h = t.send(peer, buf, tag)   /   h = t.recv(peer, buf, tag)
+       expose           t.expose(sends)                              (once, every participant)
+                        Collective: each writer names every send it will post in each sync, as
+                        (peer, tag, buffer), the same buffers every time. Pull transports (CUDA
+                        IPC) share those buffers here, so a sync needs no per-bucket handshake;
+                        others ignore it. Readers call it with no sends.
+    4. per sync         t.begin()   (writers, before announcing the sync: the data is final)
+                        h = t.send(peer, buf, tag)   /   h = t.recv(peer, buf, tag)
                         Post and return at once; many may be in flight, to many peers. A send
                         matches the recv posted on the peer with the same tag. Per peer and
                         direction, handles complete in posting order, so both sides post in the
@@ -224,6 +230,16 @@ class Transport:
             self._check_buffer(buf, f"buffer {i}")
         self._register(list(buffers))
         self._registered = True
+
+    def expose(self, sends: Sequence[tuple[int, int, torch.Tensor | None, str]]) -> None:
+        """Step 3b, collective: a writer's sends of every sync as (peer global rank, tag, buffer,
+        what) tuples, ``buffer`` None for one the writer packs per sync and ``what`` naming its
+        contents for messages; readers pass []. The default does nothing."""
+        self._require_connected()
+
+    def begin(self) -> None:
+        """Called by a writer at the start of each sync, once its tensors hold the new
+        version and before the readers are told; the default does nothing."""
 
     def send(self, peer: Participant | str | int, buf: torch.Tensor, tag: int) -> Handle:
         """Post sending all of ``buf`` to ``peer`` under ``tag``; returns at once.
@@ -448,6 +464,7 @@ class Transport:
 _BUILTIN: dict[str, str] = {
     "gloo": "weightbus.transports.gloo:GlooTransport",
     "nccl": "weightbus.transports.nccl:NcclTransport",
+    "cuda_ipc": "weightbus.transports.cuda_ipc:CudaIpcTransport",
 }
 _REGISTRY: dict[str, type[Transport]] = {}
 _LOGGED: set[tuple[str, str]] = set()

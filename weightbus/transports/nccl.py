@@ -18,66 +18,18 @@ warms up every writer-reader pair in a fixed global order so the first sync pays
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightbus.spec import Participant
+from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
 
 __all__ = ["NcclTransport"]
 
 logger = logging.getLogger(__name__)
-
-
-def _device(p: Participant) -> torch.device:
-    d = torch.device(p.device)
-    if d.type != "cuda":
-        raise ValueError(f"nccl: participant {p.name!r} is on {p.device}, nccl moves CUDA memory")
-    return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
-
-
-class _Poller:
-    """Marks handles done when the CUDA event recorded after their NCCL work completes."""
-
-    def __init__(self, transport: NcclTransport) -> None:
-        self.transport = transport
-        self.items: list[Handle] = []
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, name="weightbus-nccl-poller", daemon=True)
-        self.thread.start()
-
-    def add(self, handle: Handle) -> None:
-        with self.lock:
-            self.items.append(handle)
-        self.wake.set()
-
-    def _run(self) -> None:
-        while not self.stop:
-            with self.lock:
-                items = list(self.items)
-            if not items:
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
-            done = []
-            for h in items:
-                native = h.native
-                if native is None or native[1].query():
-                    done.append(h)
-            if done:
-                gone = set(map(id, done))
-                with self.lock:
-                    self.items = [h for h in self.items if id(h) not in gone]
-                for h in done:
-                    self.transport._completed(h)
-            else:
-                time.sleep(50e-6)
 
 
 @register_transport
@@ -97,7 +49,7 @@ class NcclTransport(Transport):
             raise TypeError(f"nccl: unknown options {sorted(fields)}")
         self._pg: Any = None
         self._rank = -1
-        self._poller: _Poller | None = None
+        self._poller: EventPoller | None = None
         self._device: torch.device | None = None
 
     @classmethod
@@ -111,7 +63,7 @@ class NcclTransport(Transport):
             )
         seen: dict[tuple[str, str], str] = {}
         for p in people:
-            key = (p.host, str(_device(p)))
+            key = (p.host, str(cuda_device(p)))
             if key in seen:
                 return (
                     f"nccl cannot link two processes on one GPU ({seen[key]!r} and {p.name!r} on "
@@ -128,13 +80,13 @@ class NcclTransport(Transport):
             and me is not None
             and self.timeout is not None
         )
-        self._device = _device(me)
+        self._device = cuda_device(me)
         torch.cuda.set_device(self._device)
         self._rank = roster.global_rank(me.name)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
         self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
-        self._poller = _Poller(self)
+        self._poller = EventPoller(self)
         # warm up every writer-reader pair in one global order (pairs sorted by (writer,
         # reader)), so each pair's communicator exists before the first sync
         t0 = time.monotonic()
