@@ -190,3 +190,21 @@ def test_bad_options():
         PlanOptions(align=100)
     with pytest.raises(ValueError, match="bucket_bytes=10 is too small"):
         PlanOptions(bucket_bytes=10)
+
+
+def test_sync_config_reaches_the_planner():
+    from weightbus import SyncConfig
+
+    opts = SyncConfig(
+        direct_bytes=4096, bucket_bytes=2 << 20, cast={"float32": "bfloat16"}
+    ).plan_options()
+    assert (opts.direct_bytes, opts.bucket_bytes, opts.cast) == (
+        4096,
+        2 << 20,
+        (("float32", "bfloat16"),),
+    )
+
+
+def test_participant_names_without_white_space():
+    with pytest.raises(ValueError, match="contains white space"):
+        Participant(role="reader", rank=0, name="reader zero")

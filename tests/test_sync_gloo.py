@@ -67,6 +67,7 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         from weightbus.plan import fill_from_canonical
 
         torch.set_num_threads(1)
+        in_place = []
         # the trainer's own process group, separate from weightbus' control plane
         store = dist.PrefixStore("trainer", dist.TCPStore("127.0.0.1", port, is_master=False))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n_w)
@@ -89,11 +90,14 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         control, sync = _configs(port, n_w, n_r)
         writer = Writer(bound, control, sync)
         writer.connect()
+        in_place.append(sum(d is not None for d in writer.direct))
+        if mode == "poll":
+            time.sleep(1.5)  # the readers poll meanwhile
         for v in range(1, STEPS + 1):
             fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
             writer.sync(v)
         writer.close()
-        q.put((f"writer-{rank}", "ok", ""))
+        q.put((f"writer-{rank}", "ok", f"in place {in_place}"))
     except BaseException as exc:
         q.put((f"writer-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
@@ -101,7 +105,7 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
 def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
     try:
         import weightbus.reader
-        from weightbus import BoundLayout, Participant, Reader
+        from weightbus import BoundLayout, Participant, Reader, SyncTimeout
         from weightbus.layouts.families import PRESETS, model_spec
         from weightbus.layouts.fused import engine_layout
         from weightbus.plan import allocate, fill_from_canonical, poison
@@ -129,6 +133,13 @@ def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         reader = Reader(BoundLayout(layout=layout, tensors=tensors), control, sync)
         reader.connect()
         seen, bad = [], []
+        if mode == "poll":
+            # no sync has begun yet: a short wait times out and leaves the reader usable
+            try:
+                reader.wait(timedelta(seconds=0.3))
+                bad.append("wait returned before any sync")
+            except SyncTimeout:
+                pass
         for _ in range(STEPS):
             for t in tensors.values():
                 poison(t)
@@ -140,7 +151,10 @@ def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
                 a, b = tensors[k].view(torch.uint8), want[k].view(torch.uint8)
                 if not torch.equal(a, b):
                     bad.append((result.version, k))
+        n_in_place = sum(d is not None for d in reader.direct)
         reader.close()
+        if n_in_place == 0:
+            bad.append("no bucket was received in place")
         if any(id(t) != ids[k] for k, t in tensors.items()):
             bad.append("engine tensors were replaced")
         status = "ok" if not bad and seen == list(range(1, STEPS + 1)) else "wrong"
@@ -187,6 +201,13 @@ def _run(mode: str, n_w: int = 2, n_r: int = 2, limit: float = 150.0) -> tuple[d
 def test_fsdp_dtensor_writers_to_tensor_parallel_readers_20_syncs():
     results, _ = _run("ok")
     assert set(results) == {"writer-0", "writer-1", "reader-0", "reader-1"}, results
+    for name, (status, text, _) in results.items():
+        assert status == "ok", (name, text)
+
+
+@pytest.mark.timeout(200)
+def test_reader_polling_before_the_first_sync_stays_usable():
+    results, _ = _run("poll")
     for name, (status, text, _) in results.items():
         assert status == "ok", (name, text)
 

@@ -14,7 +14,7 @@ from weightbus.control.store import ControlConfig, ControlPlane
 from weightbus.errors import PeerFailure, WeightbusError
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.program import BucketOp
-from weightbus.spec import BoundLayout
+from weightbus.spec import BoundLayout, LayoutError
 from weightbus.transports.base import Transport, select_transport
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,10 @@ class SyncConfig:
 
     def plan_options(self) -> PlanOptions:
         return PlanOptions(
-            bucket_bytes=self.bucket_bytes, cast=dict(self.cast), ignore_unread=self.ignore_unread
+            bucket_bytes=self.bucket_bytes,
+            cast=dict(self.cast),
+            ignore_unread=self.ignore_unread,
+            direct_bytes=self.direct_bytes,
         )
 
 
@@ -117,6 +120,8 @@ class _Session:
         self.version: int | None = None
         """The last version this participant synced (for a reader: the one its tensors hold)."""
         self._closed = False
+        self._failed = ""
+        self._live_ptrs: dict[str, int] = {}
         self.plan_seconds = 0.0
 
     @property
@@ -138,12 +143,24 @@ class _Session:
             self.control.agree("plan", plan.digest)
             index = self.bound.layout.rank
             self.ops = build_program(plan, self.role, index)
+            # the transport's own per-operation bound must not cut a sync short: a writer's
+            # sends wait for readers that may still be finishing their rollouts
+            cfg = self.config
             self.transport = select_transport(
-                self.config.transport, plan, self.bound.layout.participant
+                cfg.transport,
+                plan,
+                self.bound.layout.participant,
+                timeout=max(cfg.sync_timeout, cfg.step_timeout),
             )
             self.transport.connect(self.control, plan.participants)
             device = self._device = _device_of(self.bound)
             self.direct = [_direct_buffer(op, self.bound.tensors) for op in self.ops]
+            self._live_ptrs = {
+                c.key: self.bound.tensors[c.key].data_ptr()
+                for op, live in zip(self.ops, self.direct, strict=True)
+                if live is not None
+                for c in op.copies
+            }
             staged = [op.nbytes for op, d in zip(self.ops, self.direct, strict=True) if d is None]
             largest = max(staged, default=0)
             n = min(self.config.staging_buffers, len(staged))
@@ -160,6 +177,7 @@ class _Session:
             self.plan = plan
         except BaseException as exc:
             self._fail(exc)
+            self._teardown()
             raise
         logger.info(
             "%s connected: %d buckets (%d in place), %.1f MB per sync on this %s; plan %s (%s); "
@@ -188,31 +206,66 @@ class _Session:
         return result
 
     def _fail(self, exc: BaseException) -> None:
-        """Tell every other participant, unless the failure came from one of them."""
-        if isinstance(exc, PeerFailure):
-            return
-        try:
-            self.control.fail(f"{type(exc).__name__}: {exc}")
-        except Exception:  # the control plane itself may be what failed
-            logger.debug("could not report failure of %s", self.name, exc_info=True)
+        """Tell every other participant (unless the failure came from one of them), abort the
+        transport so nothing stays in flight, and refuse further syncs."""
+        text = f"{type(exc).__name__}: {exc}"
+        self._failed = self._failed or text.splitlines()[0]
+        if not isinstance(exc, PeerFailure):
+            try:
+                self.control.fail(text)
+            except Exception:  # the control plane itself may be what failed
+                logger.debug("could not report failure of %s", self.name, exc_info=True)
+        if self.transport is not None:
+            self.transport.abort(text)
 
     def _require_connected(self) -> None:
+        if self._failed:
+            raise WeightbusError(
+                f"{self.name}: an earlier sync or connect failed ({self._failed}); build a new "
+                f"{type(self).__name__} (every participant of the job has seen the failure)"
+            )
         if self.plan is None:
             raise WeightbusError(f"{self.name}: call connect() before syncing")
         if self._closed:
             raise WeightbusError(f"{self.name}: closed")
+        self._check_live_tensors()
+
+    def _check_live_tensors(self) -> None:
+        """In-place sends and receives hold views taken at connect: refuse to sync if the
+        engine or trainer has since moved a tensor to new storage (``p.data = ...``)."""
+        for key, ptr in self._live_ptrs.items():
+            if self.bound.tensors[key].data_ptr() != ptr:
+                err = LayoutError(
+                    f"{self.name}: local tensor {key!r} moved to new storage after connect; "
+                    "update tensors in place (copy_) or connect a new "
+                    f"{type(self).__name__} after re-binding the model"
+                )
+                self._fail(err)
+                raise err
+
+    def _teardown(self) -> None:
+        try:
+            if self.transport is not None:
+                self.transport.abort("connect failed")
+        finally:
+            try:
+                self.control.close()
+            except Exception:
+                logger.debug("closing the control plane of %s", self.name, exc_info=True)
 
     def close(self) -> None:
         """Tear down the transport and leave the control plane. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        if self.transport is not None:
-            self.transport.close()
-        self.control.close()
+        try:
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.control.close()
 
     def __enter__(self):
-        self.connect()
+        self.connect()  # tears down what it built if it fails
         return self
 
     def __exit__(self, *exc) -> None:

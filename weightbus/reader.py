@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
-from weightbus.errors import WeightbusError
+from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.program import unpack
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,10 @@ class Reader(_Session):
     def wait(self, timeout: timedelta | None = None) -> SyncResult:
         """Receive the next sync; return once it is committed (every reader has it).
 
-        ``timeout`` bounds the wait for the sync to *begin* (default ``step_timeout``); the
-        sync itself is bounded by ``sync_timeout``.
+        ``timeout`` bounds the wait for the sync to *begin* (default ``step_timeout``); when
+        it passes, :class:`~weightbus.errors.SyncTimeout` is raised and the reader may wait
+        again. The sync itself is bounded by ``sync_timeout``; a failure during it is reported
+        to every participant and leaves this reader unusable.
         """
         self._require_connected()
         cfg, control, transport = self.config, self.control, self.transport
@@ -50,8 +52,16 @@ class Reader(_Session):
         phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
         try:
             begins = control.gather(
-                f"begin/{seq}", role="writer", timeout=timeout or cfg.step_timeout
+                f"begin/{seq}",
+                role="writer",
+                timeout=cfg.step_timeout if timeout is None else timeout,
             )
+        except SyncTimeout:
+            raise  # no sync began: nothing is half done, the reader may wait again
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        try:
             t_start = time.perf_counter()
             deadline = _Deadline(cfg.sync_timeout)
             versions = {b["version"] for b in begins.values()}

@@ -234,6 +234,11 @@ class Participant:
         object.__setattr__(self, "rank", int(self.rank))
         if not self.name:
             object.__setattr__(self, "name", f"{self.role}-{self.rank}")
+        if any(ch.isspace() for ch in self.name):
+            raise ValueError(
+                f"participant name {self.name!r} contains white space: use letters, digits, "
+                "'-', '_', '.' (e.g. 'infer-1')"
+            )
 
     def to_dict(self) -> dict:
         return {

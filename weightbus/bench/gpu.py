@@ -404,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         n_w = len(build_layouts(model, wdesc, "writer"))
         n_r = len(build_layouts(model, rdesc, "reader"))
         args = argparse.Namespace(
-            **vars(a), scenario=sname, port=port, n_writers=n_w, n_readers=n_r
+            **vars(a),
+            scenario=sname,
+            scenario_transport=s_transport or None,
+            port=port,
+            n_writers=n_w,
+            n_readers=n_r,
         )
         print(f"{spec}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
         targets = [(_participant_worker, ("writer", r, r, args)) for r in range(n_w)]

@@ -50,10 +50,17 @@ class EventPoller:
                 self.wake.clear()
                 continue
             done = []
-            for h in items:
-                native = h.native
-                if native is None or native[1].query():
-                    done.append(h)
+            try:
+                for h in items:
+                    native = h.native
+                    if native is None or native[1].query():
+                        done.append(h)
+            except Exception as e:  # a sticky CUDA error: nothing pending can finish now
+                with self.lock:
+                    failed, self.items = self.items, []
+                for h in failed:
+                    self.transport._completed(h, e)
+                return
             if done:
                 gone = set(map(id, done))
                 with self.lock:

@@ -51,6 +51,7 @@ class NcclTransport(Transport):
         self._rank = -1
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -113,10 +114,20 @@ class NcclTransport(Transport):
             raise ValueError(f"nccl: buffer on {buf.device}, this participant uses {self._device}")
         peer = self.roster.global_rank(handle.peer.name)
         flat = buf.reshape(-1)
-        work = (self._pg.send if handle.op == "send" else self._pg.recv)([flat], peer, 0)
-        work.wait()  # the current stream waits for NCCL's; the CPU does not
-        event = torch.cuda.Event()
-        event.record()
+        # Each peer's operations go through a side stream of their own. ProcessGroupNCCL makes
+        # its stream wait for the *current* stream at every operation; were that the caller's
+        # stream, made to wait for the previous operation, every link would queue behind every
+        # other. The side stream waits for the caller's work so far (the pack into ``buf``, or
+        # the unpack that last used it), then carries the operation and its completion event.
+        side = self._streams.get(peer)
+        if side is None:
+            side = self._streams[peer] = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            work = (self._pg.send if handle.op == "send" else self._pg.recv)([flat], peer, 0)
+            work.wait()
+            event = torch.cuda.Event()
+            event.record(side)
         handle.native = (work, event, flat)
         self._poller.add(handle)
 
