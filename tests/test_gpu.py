@@ -40,11 +40,10 @@ def test_nccl_peer_death_is_seen_by_everyone():
 @_needs(2)
 @pytest.mark.timeout(600)
 def test_sync_between_gpus_bit_exact(tmp_path):
-    """Writer/Reader over NCCL and CUDA IPC (between GPUs and on one GPU), reader tensors
-    poisoned before the checked sync."""
+    """Writer/Reader over NCCL, reader tensors poisoned before the checked sync."""
     from weightbus.bench import gpu
 
-    scenarios = ["S1", "S1@cuda_ipc", "S3"] + (["S4"] if torch.cuda.device_count() >= 4 else [])
+    scenarios = ["S1"] + (["S4"] if torch.cuda.device_count() >= 4 else [])
     rc = gpu.main(
         [
             "--scenarios",
@@ -69,6 +68,4 @@ def test_sync_between_gpus_bit_exact(tmp_path):
     assert set(by_name) == set(scenarios)
     for s in result["scenarios"]:
         assert s["bit_exact"], s
-    assert by_name["S1"]["transport"] == "nccl"
-    assert by_name["S1@cuda_ipc"]["transport"] == "cuda_ipc"
-    assert by_name["S3"]["transport"] == "cuda_ipc"  # NCCL cannot link two processes on one GPU
+    assert all(s["transport"] == "nccl" for s in by_name.values())

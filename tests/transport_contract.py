@@ -275,7 +275,10 @@ def run_contract(
 def run_peer_death(
     transport: str, devices: dict[str, str] | None = None, detect_s: float = 5.0
 ) -> dict:
-    """SIGKILL reader-1 mid-transfer; every survivor raises PeerFailure naming it, and exits."""
+    """SIGKILL reader-1 mid-transfer. The writers, whose sends to it can never finish, raise
+    PeerFailure naming it within ``detect_s``; reader-0, which has nothing to do with reader-1,
+    either raises the same or receives all its bytes bit exact (a transport whose links are
+    independent lets it finish). Every survivor exits."""
     with _Run("death", transport, devices) as run:
         run.store.wait([f"{run.job}/victim-ready"], timedelta(seconds=40))
         time.sleep(0.2)  # let the writers block on the buckets reader-1 never posted
@@ -285,6 +288,8 @@ def run_peer_death(
         reports = {n: run.result(n, 20) for n in survivors}
         codes = run.join(survivors, 10)
     for name, r in reports.items():
+        if name == "reader-0" and r.get("ok") and not r.get("bad"):
+            continue  # all its transfers were with the writers, and all arrived intact
         assert r.get("error") == "PeerFailure", f"{name}: {r}"
         assert "reader-1" in r["message"], f"{name} does not name reader-1: {r['message']}"
         assert r["at"] - killed_at < detect_s, f"{name} took {r['at'] - killed_at:.1f} s"

@@ -534,7 +534,11 @@ def select_transport(
     if name == "auto":
         name = None
     chosen = name or os.environ.get(TRANSPORT_ENV) or None
-    fits = [n for n in available_transports() if transport_class(n).unsupported(people) is None]
+    fits = [
+        n
+        for n in available_transports()
+        if transport_class(n).unsupported(people) is None and transport_class(n).priority >= 0
+    ]
     if chosen is not None:
         cls = transport_class(chosen)
         reason = cls.unsupported(people)

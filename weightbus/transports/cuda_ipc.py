@@ -1,5 +1,10 @@
 """cuda_ipc: readers pull from the writers' GPU memory on the same host, through CUDA IPC.
 
+EXPERIMENTAL, not chosen automatically: ask for it by name. In its one test on 4 x H200 the
+reader process died silently at its first sync (no Python traceback; the writer then reported
+it through heartbeats). ``WEIGHTBUS_HANG_DUMP_S`` and faulthandler in ``weightbus bench gpu``
+are there to find out where.
+
 No staging and no per-bucket handshake. At :meth:`expose` each writer shares, once, the CUDA
 storages behind its sends (IPC memory handles) and an interprocess CUDA event, and posts a table
 ``(reader, tag) -> (storage, byte offset, bytes)``. Each sync goes like this:
@@ -67,7 +72,7 @@ class CudaIpcTransport(Transport):
     cross_host = False
     same_gpu_zero_copy = True
     needs_staging = False
-    priority = 5
+    priority = -1  # experimental: only by name (see the module docstring)
 
     def __init__(self, **fields: Any) -> None:
         super().__init__(fields.pop("timeout", None))
