@@ -294,7 +294,9 @@ def run_peer_death(
         assert "reader-1" in r["message"], f"{name} does not name reader-1: {r['message']}"
         assert r["at"] - killed_at < detect_s, f"{name} took {r['at'] - killed_at:.1f} s"
     assert codes == dict.fromkeys(survivors, 0), codes
-    return {n: {**r, "detect_s": r["at"] - killed_at} for n, r in reports.items()}
+    return {
+        n: {**r, "detect_s": r["at"] - killed_at} if "at" in r else r for n, r in reports.items()
+    }
 
 
 def run_peer_failure(
