@@ -12,66 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.layout_fixtures import NAN, QWEN3_MOE, canonical_tensors, deepseek_config, small_config
 from weightbus.layouts.families import ModelSpec, model_spec
 from weightbus.layouts.fused import engine_layout, kv_head_range
 from weightbus.spec import Layout, LayoutBuilder, Participant
 
-NAN = float("nan")
-
-
-def _dense(model_type: str, **extra) -> dict:
-    config = {
-        "model_type": model_type,
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-    }
-    return {**config, **extra}
-
-
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 100,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_experts": 8,
-    "mlp_only_layers": [1],
-}
-MIXTRAL = {**_dense("mixtral"), "num_local_experts": 4}
-DEEPSEEK = {
-    "model_type": "deepseek_v3",
-    "vocab_size": 100,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 8,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4,
-    "qk_rope_head_dim": 2,
-    "v_head_dim": 4,
-    "n_routed_experts": 8,
-    "n_shared_experts": 2,
-    "first_k_dense_replace": 1,
-}
+MIXTRAL = {**small_config("mixtral"), "num_local_experts": 4}
+DEEPSEEK = deepseek_config(3)
 
 
 # -- the reference: what a vLLM rank holds after load_weights -----------------------------------
-
-
-def canonical_tensors(model: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
 
 
 def vllm_rank(
@@ -238,23 +188,23 @@ def check_all_ranks(model: ModelSpec, *, tp: int, ep: int = 1, pad: int = 64) ->
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_llama_gqa_with_and_without_kv_replication(tp: int) -> None:
     # 8 q heads, 2 kv heads: tp 1, 2 split the kv heads, tp 4, 8 replicate them
-    check_all_ranks(model_spec(_dense("llama")), tp=tp)
+    check_all_ranks(model_spec(small_config("llama")), tp=tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_qwen2_biases(tp: int) -> None:
-    model = model_spec(_dense("qwen2", num_attention_heads=4))
+    model = model_spec(small_config("qwen2", num_attention_heads=4))
     assert any(t.name.endswith("k_proj.bias") for t in model.tensors)
     check_all_ranks(model, tp=tp)
 
 
 def test_llama_attention_and_mlp_biases() -> None:
-    check_all_ranks(model_spec(_dense("llama", attention_bias=True, mlp_bias=True)), tp=2)
+    check_all_ranks(model_spec(small_config("llama", attention_bias=True, mlp_bias=True)), tp=2)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_qwen3_norms_and_tied_embeddings(tied: bool) -> None:
-    model = model_spec(_dense("qwen3", head_dim=8, tie_word_embeddings=tied))
+    model = model_spec(small_config("qwen3", head_dim=8, tie_word_embeddings=tied))
     check_all_ranks(model, tp=4)
     layout = engine_layout(model, Participant(role="reader", rank=0), tp=4, tp_rank=0)
     keys = {x.key for x in layout.locals}
@@ -264,7 +214,7 @@ def test_qwen3_norms_and_tied_embeddings(tied: bool) -> None:
 
 @pytest.mark.parametrize("tp, pad", [(1, 64), (4, 64), (8, 64), (4, 16), (2, 1)])
 def test_vocab_padding(tp: int, pad: int) -> None:
-    model = model_spec(_dense("llama", vocab_size=100, num_attention_heads=8))
+    model = model_spec(small_config("llama", vocab_size=100, num_attention_heads=8))
     check_all_ranks(model, tp=tp, pad=pad)
     per = math.ceil(100 / pad) * pad // tp
     last = engine_layout(
@@ -331,7 +281,7 @@ def test_deepseek_without_q_lora() -> None:
 def test_gqa_rule_or_error(kv: int, group: int, tp: int, data) -> None:
     heads = kv * group
     model = model_spec(
-        _dense(
+        small_config(
             "qwen2",
             num_attention_heads=heads,
             num_key_value_heads=kv,
@@ -392,7 +342,7 @@ def test_dtype_override() -> None:
 
 def test_errors() -> None:
     who = Participant(role="reader", rank=0)
-    llama = model_spec(_dense("llama", num_attention_heads=8))
+    llama = model_spec(small_config("llama", num_attention_heads=8))
     with pytest.raises(
         ValueError, match=r"q_proj.weight \(32, 32\): dim 0 \(8 heads of 4\) .* tp=3"
     ):
@@ -400,7 +350,7 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="128 rows, which do not split evenly over tp=3"):
         engine_layout(
             model_spec(
-                _dense("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+                small_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
             ),
             who,
             tp=3,
@@ -409,7 +359,7 @@ def test_errors() -> None:
     with pytest.raises(
         ValueError, match=r"mlp.gate_proj.weight \(50, 32\): dim 0 \(50\) does not split into 4"
     ):
-        engine_layout(model_spec(_dense("llama", intermediate_size=50)), who, tp=4, tp_rank=0)
+        engine_layout(model_spec(small_config("llama", intermediate_size=50)), who, tp=4, tp_rank=0)
     with pytest.raises(ValueError, match=r"tp_rank must be in \[0, tp=2\), got 2"):
         engine_layout(llama, who, tp=2, tp_rank=2)
     with pytest.raises(ValueError, match="has no experts: pass ep=1"):

@@ -10,70 +10,19 @@ import time
 import pytest
 import torch
 
+from tests.layout_fixtures import NAN, QWEN3_MOE, canonical_tensors, deepseek_config, small_config
 from weightbus.layouts.families import ModelSpec, model_spec
 from weightbus.layouts.megatron import expert_range, megatron_layout, pipeline_stages
 from weightbus.spec import Layout, LayoutBuilder, Participant
 
-NAN = float("nan")
+DEEPSEEK = deepseek_config(4)
 
-
-def _config(model_type: str, **extra) -> dict:
-    config = {
-        "model_type": model_type,
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    }
-    return {**config, **extra}
-
-
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 100,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_experts": 8,
-    "mlp_only_layers": [1],
-}
-DEEPSEEK = {
-    "model_type": "deepseek_v3",
-    "vocab_size": 100,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 8,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4,
-    "qk_rope_head_dim": 2,
-    "v_head_dim": 4,
-    "n_routed_experts": 8,
-    "n_shared_experts": 2,
-    "first_k_dense_replace": 1,
-}
-
-# split rules by checkpoint name, written independently of families.py
 _COLUMN = re.compile(
     r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|q_b_proj|kv_b_proj)\.(weight|bias)$"
 )
 _ROW = re.compile(r"\.(o_proj|down_proj|w2)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-def canonical_tensors(model: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
 
 
 def megatron_rank(
@@ -204,12 +153,12 @@ def check_grid(
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_llama_tensor_parallel(tp: int) -> None:
-    check_grid(model_spec(_config("llama")), tp=tp)
+    check_grid(model_spec(small_config("llama", kv_heads=4)), tp=tp)
 
 
 @pytest.mark.parametrize("tp, multiple", [(2, 128), (4, 8), (4, 1)])
 def test_vocab_parallel_padding(tp: int, multiple: int) -> None:
-    model = model_spec(_config("qwen2"))
+    model = model_spec(small_config("qwen2", kv_heads=4))
     check_grid(model, tp=tp, multiple=multiple)
     layout = megatron_layout(
         model, Participant(role="writer", rank=0), tp=tp, tp_rank=0, vocab_multiple=multiple
@@ -220,17 +169,24 @@ def test_vocab_parallel_padding(tp: int, multiple: int) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_fuse_qkv_interleaves_per_kv_group(tp: int) -> None:
-    check_grid(model_spec(_config("llama")), tp=tp, fuse_qkv=True)  # 8 heads, 4 kv groups
+    check_grid(
+        model_spec(small_config("llama", kv_heads=4)), tp=tp, fuse_qkv=True
+    )  # 8 heads, 4 kv groups
 
 
 def test_fuse_qkv_with_biases_and_pipeline() -> None:
-    check_grid(model_spec(_config("qwen2", num_hidden_layers=3)), tp=2, pp=2, fuse_qkv=True)
+    check_grid(
+        model_spec(small_config("qwen2", num_hidden_layers=3, kv_heads=4)),
+        tp=2,
+        pp=2,
+        fuse_qkv=True,
+    )
 
 
 def test_fuse_qkv_local_rows_by_hand() -> None:
     """One KV group of 2 q heads (d=4) per rank: rows [q0 q1 k v] of group tp_rank."""
     model = model_spec(
-        _config("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=16)
+        small_config("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=16)
     )
     layout = megatron_layout(
         model, Participant(role="writer", rank=1), tp=2, tp_rank=1, fuse_qkv=True
@@ -264,11 +220,16 @@ def test_pipeline_stages_rule() -> None:
 
 @pytest.mark.parametrize("pp, stages", [(2, None), (3, None), (3, [1, 3, 1]), (5, None)])
 def test_pipeline_parallel(pp: int, stages) -> None:
-    check_grid(model_spec(_config("llama", num_hidden_layers=5)), tp=2, pp=pp, stages=stages)
+    check_grid(
+        model_spec(small_config("llama", num_hidden_layers=5, kv_heads=4)),
+        tp=2,
+        pp=pp,
+        stages=stages,
+    )
 
 
 def test_pipeline_owners() -> None:
-    model = model_spec(_config("llama", num_hidden_layers=5))
+    model = model_spec(small_config("llama", num_hidden_layers=5, kv_heads=4))
     who = Participant(role="writer", rank=0)
     held = [
         {t.name for t in megatron_layout(model, who, pp=3, pp_rank=s).tensors} for s in range(3)
@@ -283,7 +244,9 @@ def test_pipeline_owners() -> None:
 
 
 def test_tied_embeddings_on_first_and_last_stage() -> None:
-    model = model_spec(_config("qwen3", num_hidden_layers=4, head_dim=4, tie_word_embeddings=True))
+    model = model_spec(
+        small_config("qwen3", num_hidden_layers=4, head_dim=4, tie_word_embeddings=True, kv_heads=4)
+    )
     check_grid(model, tp=2, pp=2)
     who = Participant(role="writer", rank=0)
     for s in range(2):
@@ -322,7 +285,12 @@ def test_deepseek_mla(tp: int, pp: int, ep: int) -> None:
 
 
 def test_mixtral() -> None:
-    check_grid(model_spec({**_config("mixtral"), "num_local_experts": 4}), tp=2, pp=2, ep=2)
+    check_grid(
+        model_spec({**small_config("mixtral", kv_heads=4), "num_local_experts": 4}),
+        tp=2,
+        pp=2,
+        ep=2,
+    )
 
 
 # -- the rest -----------------------------------------------------------------------------------
@@ -357,7 +325,7 @@ def test_dtype_override_and_builder_round_trip() -> None:
 
 def test_errors() -> None:
     who = Participant(role="writer", rank=0)
-    llama = model_spec(_config("llama", num_key_value_heads=2))
+    llama = model_spec(small_config("llama", num_key_value_heads=2))
     with pytest.raises(
         ValueError,
         match=r"k_proj.weight \(8, 32\): dim 0 \(2 heads of 4\) does not split into 4 equal parts for tp=4",
@@ -380,7 +348,12 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="vocab_multiple must be a positive integer"):
         megatron_layout(llama, who, vocab_multiple=0)
     with pytest.raises(ValueError, match=r"mlp.gate_proj.weight \(50, 32\): dim 0 \(50\)"):
-        megatron_layout(model_spec(_config("llama", intermediate_size=50)), who, tp=4, tp_rank=0)
+        megatron_layout(
+            model_spec(small_config("llama", intermediate_size=50, kv_heads=4)),
+            who,
+            tp=4,
+            tp_rank=0,
+        )
 
 
 def test_deepseek_v3_megatron_layouts_at_scale() -> None:

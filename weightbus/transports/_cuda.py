@@ -36,6 +36,12 @@ class EventPoller:
         )
         self.thread.start()
 
+    def close(self) -> None:
+        """Stop the thread (bounded: it never blocks for long)."""
+        self.stop = True
+        self.wake.set()
+        self.thread.join(2.0)
+
     def add(self, handle: Handle) -> None:
         with self.lock:
             self.items.append(handle)

@@ -139,9 +139,7 @@ class NcclTransport(Transport):
 
     def _stop(self) -> None:
         if self._poller is not None:
-            self._poller.stop = True
-            self._poller.wake.set()
-            self._poller.thread.join(2.0)
+            self._poller.close()
             self._poller = None
 
     def _close(self) -> None:
