@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 
 from weightbus.control.store import ControlConfig, ControlPlane
-from weightbus.errors import PeerFailure, WeightbusError
+from weightbus.errors import PeerFailure, SyncTimeout, WeightbusError
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout, LayoutError
@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 
 Progress = Callable[[int, int], None]
-"""Called as ``progress(bytes_done, bytes_total)`` while a sync runs."""
+"""Called as ``progress(bytes_posted, bytes_total)`` while a sync runs (posted: handed to the
+transport; the sync returns once every reader has them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,11 +137,13 @@ class _Session:
         """
         try:
             self.control.connect()
-            writers, readers = self.control.exchange_layouts(self.bound.layout)
+            writers, readers = self.control.exchange_layouts(
+                self.bound.layout, timeout=self.config.connect_timeout
+            )
             t_plan = time.perf_counter()
             plan = make_plan(writers, readers, self.config.plan_options())
             self.plan_seconds = time.perf_counter() - t_plan
-            self.control.agree("plan", plan.digest)
+            self.control.agree("plan", plan.digest, timeout=self.config.connect_timeout)
             index = self.bound.layout.rank
             self.ops = build_program(plan, self.role, index)
             # the transport's own per-operation bound must not cut a sync short: a writer's
@@ -192,6 +195,17 @@ class _Session:
             self.transport.name,
         )
         return plan
+
+    def _sync_failed(self, exc: BaseException, version: int) -> BaseException:
+        """Report a failed sync; a timeout is restated against the whole sync's bound."""
+        self._fail(exc)
+        if isinstance(exc, SyncTimeout):
+            return SyncTimeout(
+                f"{self.name}: sync of version {version} did not finish within sync_timeout="
+                f"{self.config.sync_timeout}: {exc}",
+                exc.missing,
+            )
+        return exc
 
     def _finished(
         self, version: int, nbytes: int, seconds: float, phases: dict[str, float]

@@ -61,6 +61,7 @@ class Reader(_Session):
         except BaseException as exc:
             self._fail(exc)
             raise
+        version = -1  # until the writers' announcements are read
         try:
             t_start = time.perf_counter()
             deadline = _Deadline(cfg.sync_timeout)
@@ -110,8 +111,10 @@ class Reader(_Session):
             )
             phases["control"] += time.perf_counter() - t
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            err = self._sync_failed(exc, version)
+            if err is exc:
+                raise
+            raise err from exc
         result = self._finished(version, total, time.perf_counter() - t_start, phases)
         if self.on_version is not None:
             self.on_version(result)

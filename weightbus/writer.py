@@ -93,7 +93,9 @@ class Writer(_Session):
                 control.post(f"commit/{seq}", {"version": version})
             phases["control"] += time.perf_counter() - t
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            err = self._sync_failed(exc, version)
+            if err is exc:
+                raise
+            raise err from exc
         result = self._finished(version, total, time.perf_counter() - t_start, phases)
         return result
