@@ -112,6 +112,8 @@ class _Session:
         self.control = ControlPlane(bound.layout.participant, control)
         self.plan: TransferPlan | None = None
         self.ops: tuple[BucketOp, ...] = ()
+        self.bytes_per_sync = 0
+        """Bytes this participant sends (writer) or receives (reader) per sync."""
         self.direct: list[torch.Tensor | None] = []
         """Per op: the live bytes it moves in place (one contiguous region), or None (staged)."""
         self.transport: Transport | None = None
@@ -177,6 +179,7 @@ class _Session:
                     what = ", ".join(sorted({c.tensor for c in op.copies}))
                     sends.append((op.peer_global, op.bucket, live, what))
             self.transport.expose(sends)
+            self.bytes_per_sync = sum(op.nbytes for op in self.ops)
             self.plan = plan
         except BaseException as exc:
             self._fail(exc)
@@ -188,7 +191,7 @@ class _Session:
             self.name,
             len(self.ops),
             sum(d is not None for d in self.direct),
-            sum(op.nbytes for op in self.ops) / 1e6,
+            self.bytes_per_sync / 1e6,
             self.role,
             plan.digest[:12],
             plan.stats.summary(),

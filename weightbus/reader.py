@@ -75,7 +75,7 @@ class Reader(_Session):
                 raise WeightbusError(
                     f"{self.name}: writers sent version {version}, not newer than {self.version}"
                 )
-            total = sum(op.nbytes for op in self.ops)
+            total = self.bytes_per_sync
             staged: deque = deque()  # (handle, op, staging buffer), oldest first
             direct: list = []  # handles of in-place receives
             free = deque(self._staging)

@@ -46,7 +46,7 @@ class Writer(_Session):
         try:
             transport.begin()
             control.post(f"begin/{seq}", {"version": version})
-            total = sum(op.nbytes for op in self.ops)
+            total = self.bytes_per_sync
             done = 0
             free = deque(self._staging)
             staged: deque = deque()  # (handle, staging buffer), oldest first
