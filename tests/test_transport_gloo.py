@@ -40,13 +40,13 @@ def test_contract_gloo():
 @pytest.mark.timeout(90)
 def test_peer_killed_mid_transfer_gloo():
     reports = transport_contract.run_peer_death("gloo")
-    assert max(r["detect_s"] for r in reports.values()) < 5
+    assert max(r["detect_s"] for r in reports.values()) < transport_contract.DETECT_S
 
 
 @pytest.mark.timeout(90)
 def test_peer_reported_failure_gloo():
     reports = transport_contract.run_peer_failure("gloo")
-    assert max(r["detect_s"] for r in reports.values()) < 5
+    assert max(r["detect_s"] for r in reports.values()) < transport_contract.DETECT_S
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ NUM_READERS = 2
 SIZES = (0, 1, 7, 4096, 4099, 65_536 + 13, 300_001, 1 << 20, (1 << 20) + 3, 33, 123_457, 8)
 ROUNDS = 3
 CHILD_LIMIT_S = 45.0
+# Detection normally takes well under a second. The bound allows for one new TCPStore
+# connection (a transport's connect opens one) stalling 5 s on a reverse-DNS lookup, as a few
+# percent of them do on machines with unreliable DNS.
+DETECT_S = 12.0
 
 
 def _names() -> list[tuple[str, int]]:
@@ -273,7 +277,7 @@ def run_contract(
 
 
 def run_peer_death(
-    transport: str, devices: dict[str, str] | None = None, detect_s: float = 5.0
+    transport: str, devices: dict[str, str] | None = None, detect_s: float = DETECT_S
 ) -> dict:
     """SIGKILL reader-1 mid-transfer. The writers, whose sends to it can never finish, raise
     PeerFailure naming it within ``detect_s``; reader-0, which has nothing to do with reader-1,
@@ -300,7 +304,7 @@ def run_peer_death(
 
 
 def run_peer_failure(
-    transport: str, devices: dict[str, str] | None = None, detect_s: float = 5.0
+    transport: str, devices: dict[str, str] | None = None, detect_s: float = DETECT_S
 ) -> dict:
     """reader-1 calls control.fail() mid-sync and stays alive; everyone else raises its text."""
     with _Run("failure", transport, devices) as run:
