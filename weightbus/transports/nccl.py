@@ -108,10 +108,17 @@ class NcclTransport(Transport):
             time.monotonic() - t0,
         )
 
+    def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
+        # a local mistake, raised before anything is posted (not reported as the peer's failure)
+        super()._check_buffer(buf, what)
+        if self._device is not None and buf.device != self._device:
+            raise ValueError(
+                f"nccl: {what} is on {buf.device}, this participant uses {self._device}: keep the "
+                "bound tensors and staging on the participant's device"
+            )
+
     def _issue(self, handle: Handle, buf: torch.Tensor) -> None:
         assert self._pg is not None and self.roster is not None and self._poller is not None
-        if buf.device != self._device:
-            raise ValueError(f"nccl: buffer on {buf.device}, this participant uses {self._device}")
         peer = self.roster.global_rank(handle.peer.name)
         flat = buf.reshape(-1)
         # Each peer's operations go through a side stream of their own. ProcessGroupNCCL makes
