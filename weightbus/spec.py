@@ -489,9 +489,6 @@ class LayoutBuilder:
                 f"{old.shape} {old.dtype} and {local.shape} {local.dtype}"
             )
 
-    def has_tensor(self, name: str) -> bool:
-        return name in self._tensors
-
     def add_piece(self, tensor: str, box: Box, key: str, local_box: Box) -> None:
         """Declare that ``box`` of canonical ``tensor`` is ``local_box`` of local ``key``."""
         who = self.participant.name

@@ -125,12 +125,6 @@ class Routes:
     def __len__(self) -> int:
         return len(self.src)
 
-    def take(self, idx: np.ndarray) -> Routes:
-        return Routes(**{f: getattr(self, f)[idx] for f in _ROUTE_FIELDS})
-
-
-_ROUTE_FIELDS = tuple(Routes.__dataclass_fields__)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Buckets:
