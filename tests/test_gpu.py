@@ -37,13 +37,10 @@ def test_nccl_peer_death_is_seen_by_everyone():
     run_peer_death("nccl", devices=DEVICES, detect_s=10.0)
 
 
-@_needs(2)
-@pytest.mark.timeout(600)
-def test_sync_between_gpus_bit_exact(tmp_path):
-    """Writer/Reader over NCCL, reader tensors poisoned before the checked sync."""
+def _bench(tmp_path, scenarios: list[str]) -> dict:
+    """Run ``weightbus bench gpu`` on a small model; the scenarios' entries by name."""
     from weightbus.bench import gpu
 
-    scenarios = ["S1"] + (["S4"] if torch.cuda.device_count() >= 4 else [])
     rc = gpu.main(
         [
             "--scenarios",
@@ -67,5 +64,24 @@ def test_sync_between_gpus_bit_exact(tmp_path):
     by_name = {s["name"]: s for s in result["scenarios"]}
     assert set(by_name) == set(scenarios)
     for s in result["scenarios"]:
-        assert s["bit_exact"], s
-    assert all(s["transport"] == "nccl" for s in by_name.values())
+        assert s["bit_exact"], s  # reader tensors were poisoned (NaN) before the checked sync
+    return by_name
+
+
+@_needs(2)
+@pytest.mark.timeout(600)
+def test_sync_between_gpus_bit_exact_nccl(tmp_path):
+    """Writer/Reader over NCCL (packed buckets and in-place routes)."""
+    four = torch.cuda.device_count() >= 4
+    got = _bench(tmp_path, ["S1@nccl"] + (["S4@nccl", "S2@nccl"] if four else []))
+    assert all(s["transport"] == "nccl" for s in got.values())
+
+
+@_needs(2)
+@pytest.mark.timeout(600)
+def test_sync_between_gpus_bit_exact_cuda_ipc(tmp_path):
+    """Writer/Reader over CUDA IPC, chosen automatically: GPU to GPU, colocated on one GPU,
+    and strided regions (FSDP rows -> tensor-parallel columns) pulled from two writers."""
+    four = torch.cuda.device_count() >= 4
+    got = _bench(tmp_path, ["S1", "S3"] + (["S4", "S2"] if four else []))
+    assert all(s["transport"] == "cuda_ipc" for s in got.values())

@@ -10,12 +10,14 @@ from datetime import timedelta
 
 import torch
 
+from weightbus import metrics as _metrics
+from weightbus.control import status as _status
 from weightbus.control.store import ControlConfig, ControlPlane
 from weightbus.errors import PeerFailure, SyncTimeout, WeightbusError
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout, LayoutError
-from weightbus.transports.base import Transport, select_transport
+from weightbus.transports.base import Program, Transport, select_transport
 
 logger = logging.getLogger(__name__)
 
@@ -160,25 +162,25 @@ class _Session:
             self.transport.connect(self.control, plan.participants)
             device = self._device = _device_of(self.bound)
             self.direct = [_direct_buffer(op, self.bound.tensors) for op in self.ops]
+            pulls = self.transport.pulls  # readers copy straight from the writers' tensors
             self._live_ptrs = {
                 c.key: self.bound.tensors[c.key].data_ptr()
                 for op, live in zip(self.ops, self.direct, strict=True)
-                if live is not None
+                if live is not None or pulls
                 for c in op.copies
             }
-            staged = [op.nbytes for op, d in zip(self.ops, self.direct, strict=True) if d is None]
+            staged = [
+                op.nbytes
+                for op, d in zip(self.ops, self.direct, strict=True)
+                if d is None and not pulls
+            ]
             largest = max(staged, default=0)
             n = min(self.config.staging_buffers, len(staged))
             self._staging = [
                 torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
             ]
             self.transport.register(self._staging)
-            sends = []
-            if self.role == "writer":
-                for op, live in zip(self.ops, self.direct, strict=True):
-                    what = ", ".join(sorted({c.tensor for c in op.copies}))
-                    sends.append((op.peer_global, op.bucket, live, what))
-            self.transport.expose(sends)
+            self.transport.expose(Program(self.ops, self.bound.tensors, tuple(self.direct)))
             self.bytes_per_sync = sum(op.nbytes for op in self.ops)
             self.plan = plan
         except BaseException as exc:
@@ -197,6 +199,8 @@ class _Session:
             plan.stats.summary(),
             self.transport.name,
         )
+        _status.publish(self)
+        _metrics.on_connect(self)
         return plan
 
     def _sync_failed(self, exc: BaseException, version: int) -> BaseException:
@@ -220,6 +224,8 @@ class _Session:
             participant=self.name, version=version, bytes=nbytes, seconds=seconds, phases=phases
         )
         logger.info("sync %s", result.line())
+        _status.publish(self, result)
+        _metrics.on_sync(self, result)
         return result
 
     def _fail(self, exc: BaseException) -> None:
@@ -227,11 +233,13 @@ class _Session:
         transport so nothing stays in flight, and refuse further syncs."""
         text = f"{type(exc).__name__}: {exc}"
         self._failed = self._failed or text.splitlines()[0]
+        _metrics.on_failure(self)
         if not isinstance(exc, PeerFailure):
             try:
                 self.control.fail(text)
             except Exception:  # the control plane itself may be what failed
                 logger.debug("could not report failure of %s", self.name, exc_info=True)
+        _status.publish(self, error=text)
         if self.transport is not None:
             self.transport.abort(text)
 

@@ -80,7 +80,11 @@ class Reader(_Session):
             direct: list = []  # handles of in-place receives
             free = deque(self._staging)
             tensors = self.bound.tensors
-            for op, live in zip(self.ops, self.direct, strict=True):
+            ops = () if transport.pulls else self.ops
+            if transport.pulls:
+                # the transport copies each bucket from the writer's tensors into ours
+                direct = [transport.pull(op.peer_global, op.bucket) for op in self.ops]
+            for op, live in zip(ops, self.direct[: len(ops)], strict=True):
                 if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
                     direct.append(transport.recv(op.peer_global, live, op.bucket))
@@ -103,7 +107,7 @@ class Reader(_Session):
                 # they ran, and only then may this reader acknowledge
                 t = time.perf_counter()
                 torch.cuda.current_stream(self._device).synchronize()
-                phases["unpack"] += time.perf_counter() - t
+                phases["transfer" if transport.pulls else "unpack"] += time.perf_counter() - t
             t = time.perf_counter()
             control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
             control.gather(

@@ -52,7 +52,9 @@ class Writer(_Session):
             staged: deque = deque()  # (handle, staging buffer), oldest first
             direct: list = []  # handles of in-place sends
             tensors = self.bound.tensors
-            for op, live in zip(self.ops, self.direct, strict=True):
+            # a pulling transport's readers copy from this writer's tensors themselves
+            ops = () if transport.pulls else self.ops
+            for op, live in zip(ops, self.direct[: len(ops)], strict=True):
                 if live is not None:
                     # one contiguous region of a live tensor: sent in place, no staging
                     direct.append(transport.send(op.peer_global, live, op.bucket))
@@ -74,6 +76,8 @@ class Writer(_Session):
                 done += op.nbytes
                 if progress is not None:
                     progress(done, total)
+            if progress is not None and not ops:
+                progress(total, total)
             t = time.perf_counter()
             transport.wait(direct + [h for h, _ in staged], deadline.left())
             phases["transfer"] += time.perf_counter() - t

@@ -13,9 +13,10 @@ Scenarios (names from the project's bench guide):
   S1  1 writer GPU -> 1 reader GPU (whole model; reader holds vLLM-style fused parameters)
   S2  1 writer GPU -> 3 reader GPUs, each gets the full model
   S4  FSDP2 on 2 GPUs -> tensor parallel 2 on 2 other GPUs
-  S3  colocated: writer and reader processes on one GPU (needs the experimental cuda_ipc)
+  S3  colocated: writer and reader processes on one GPU (CUDA IPC)
 
-``--scenarios S1@cuda_ipc,S1@nccl`` runs a scenario over a given transport.
+``--scenarios S1@cuda_ipc,S1@nccl`` runs a scenario over a given transport; without ``@`` the
+transport is chosen automatically (CUDA IPC between GPUs of one host).
 """
 
 from __future__ import annotations
@@ -198,8 +199,6 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             timeout=dt.timedelta(seconds=300),
         )
         extra = {} if args.direct_mb is None else {"direct_bytes": args.direct_mb << 20}
-        if args.direct_mb is None and (transport == "cuda_ipc" or args.scenario in COLOCATED):
-            extra = {"direct_bytes": 1}  # readers pull every route on its own, in place
         sync = SyncConfig(
             **extra,
             bucket_bytes=args.bucket_mb << 20,
@@ -333,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus bench gpu", description=__doc__.splitlines()[0])
     p.add_argument(
         "--scenarios",
-        default="S1,S4,S2",
-        help="comma-separated (default S1,S4,S2; S1@cuda_ipc and S3 use the experimental cuda_ipc)",
+        default="S1,S3,S4,S2",
+        help="comma-separated, NAME or NAME@TRANSPORT (default S1,S3,S4,S2)",
     )
     p.add_argument(
         "--model", default="llama-3-8b", help="model preset (default llama-3-8b, ~16 GB bf16)"

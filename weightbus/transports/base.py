@@ -17,13 +17,17 @@ Lifecycle, identical for every transport::
                         The staging buffers, or live tensors, that sends and receives will use.
                         Transports that must pin or register memory (RDMA, IPC) do it here;
                         others only check device and layout.
-       expose           t.expose(sends)                              (once, every participant)
-                        Collective: each writer names every send it will post in each sync, as
-                        (peer, tag, buffer), the same buffers every time. Pull transports (CUDA
-                        IPC) share those buffers here, so a sync needs no per-bucket handshake;
-                        others ignore it. Readers call it with no sends.
+       expose           t.expose(program)                            (once, every participant)
+                        Collective: each participant hands over what it moves in every sync
+                        (its bucket ops, live tensors, and in-place buffers: :class:`Program`).
+                        Pulling transports (CUDA IPC) share the writers' tensors here and build
+                        the readers' copies, so a sync needs no handshake; others ignore it.
     4. per sync         t.begin()   (writers, before announcing the sync: the data is final)
                         h = t.send(peer, buf, tag)   /   h = t.recv(peer, buf, tag)
+                        or, when ``t.pulls``: writers post nothing and h = t.pull(peer, tag)
+                        on readers copies bucket ``tag`` from writer ``peer``'s tensors straight
+                        into the reader's tensors, done in the order of the reader's current
+                        CUDA stream (work queued on it afterwards sees the bytes).
                         Post and return at once; many may be in flight, to many peers. A send
                         matches the recv posted on the peer with the same tag. Per peer and
                         direction, handles complete in posting order, so both sides post in the
@@ -52,7 +56,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -63,11 +68,13 @@ from weightbus.spec import Participant
 
 if TYPE_CHECKING:
     from weightbus.control.store import ControlPlane, Roster
+    from weightbus.plan.program import BucketOp
 
 __all__ = [
     "MAX_TAG",
     "TRANSPORT_ENV",
     "Handle",
+    "Program",
     "Transport",
     "available_transports",
     "register_transport",
@@ -89,6 +96,18 @@ _POLL_LAST_S = 0.05
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} B"
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What one participant moves in every sync, as built at connect (see :meth:`Transport.expose`)."""
+
+    ops: tuple[BucketOp, ...]
+    """This participant's bucket ops, in execution order (tag = ``op.bucket``)."""
+    tensors: Mapping[str, torch.Tensor]
+    """Its live local tensors by key (the trainer's or the engine's own storage)."""
+    direct: tuple[torch.Tensor | None, ...]
+    """Per op: the live contiguous bytes it moves in place, or None when it is staged."""
 
 
 class Handle:
@@ -148,6 +167,9 @@ class Transport:
     """Whether bytes must be packed into contiguous buffers (no scatter from live tensors)."""
     priority: ClassVar[int] = 0
     """Higher wins in the automatic choice among transports that can serve a job."""
+    pulls: ClassVar[bool] = False
+    """Whether readers copy straight out of the writers' tensors (shared at :meth:`expose`):
+    writers then post no sends and pack nothing, and readers call :meth:`pull`, not recv."""
 
     def __init__(self, timeout: timedelta | None = None) -> None:
         self.timeout = timeout
@@ -231,10 +253,9 @@ class Transport:
         self._register(list(buffers))
         self._registered = True
 
-    def expose(self, sends: Sequence[tuple[int, int, torch.Tensor | None, str]]) -> None:
-        """Step 3b, collective: a writer's sends of every sync as (peer global rank, tag, buffer,
-        what) tuples, ``buffer`` None for one the writer packs per sync and ``what`` naming its
-        contents for messages; readers pass []. The default does nothing."""
+    def expose(self, program: Program) -> None:
+        """Step 3b, collective over every participant: what this participant moves in every
+        sync. Pulling transports share or map memory here; the default does nothing."""
         self._require_connected()
 
     def begin(self) -> None:
@@ -251,6 +272,13 @@ class Transport:
     def recv(self, peer: Participant | str | int, buf: torch.Tensor, tag: int) -> Handle:
         """Post receiving into all of ``buf`` from ``peer`` under ``tag``; returns at once."""
         return self._post("recv", peer, buf, tag)
+
+    def pull(self, peer: Participant | str | int, tag: int) -> Handle:
+        """Pulling transports, on a reader: post copying bucket ``tag`` of writer ``peer`` into
+        this reader's tensors, as exposed; returns at once."""
+        if not self.pulls:
+            raise WeightbusError(f"{self.name} does not pull: post recv() for each bucket")
+        return self._post("pull", peer, None, tag)
 
     def wait(self, handles: Iterable[Handle], timeout: timedelta | None = None) -> None:
         """Block until every handle is done; raise PeerFailure / SyncTimeout and abort on failure."""
@@ -327,6 +355,9 @@ class Transport:
     def _recv(self, handle: Handle, buf: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _pull(self, handle: Handle) -> None:
+        raise NotImplementedError
+
     def _close(self) -> None:
         raise NotImplementedError
 
@@ -385,7 +416,9 @@ class Transport:
             return self.roster.all[peer]
         raise TypeError(f"peer must be a Participant, a name or a global rank, got {peer!r}")
 
-    def _post(self, op: str, peer: Participant | str | int, buf: torch.Tensor, tag: int) -> Handle:
+    def _post(
+        self, op: str, peer: Participant | str | int, buf: torch.Tensor | None, tag: int
+    ) -> Handle:
         self._require_connected()
         assert self.roster is not None and self.participant is not None
         target = self._peer(peer)
@@ -394,12 +427,16 @@ class Transport:
             raise ValueError(f"{self.name}: {op} to itself ({name!r}); copy locally instead")
         if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
             raise ValueError(f"{self.name}: tag {tag!r} must be an int in [0, {MAX_TAG}]")
-        self._check_buffer(buf, f"{op} buffer for {name!r}")
-        handle = Handle(op, target, tag, buf.numel() * buf.element_size())
+        if buf is not None:
+            self._check_buffer(buf, f"{op} buffer for {name!r}")
+        handle = Handle(op, target, tag, 0 if buf is None else buf.numel() * buf.element_size())
         with self._lock:
             self._pending[id(handle)] = handle
         try:
-            (self._send if op == "send" else self._recv)(handle, buf)
+            if buf is None:
+                self._pull(handle)
+            else:
+                (self._send if op == "send" else self._recv)(handle, buf)
         except Exception as e:
             # posting can fail too, e.g. on a connection the peer already closed
             with self._lock:
