@@ -75,3 +75,95 @@ class EventPoller:
                     self.transport._completed(h)
             else:
                 time.sleep(50e-6)
+
+
+class Cudart:
+    """The CUDA runtime that torch loaded, for the copies torch has no call for: many
+    ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` on one stream at a few microseconds each,
+    strided 2-D regions included, all on the copy engines. :meth:`load` returns None when the
+    runtime is not a shared library this process mapped (callers then use ``Tensor.copy_``)."""
+
+    _DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
+
+    def __init__(self, lib) -> None:
+        import ctypes
+
+        self._memcpy = lib.cudaMemcpyAsync
+        self._memcpy.restype = ctypes.c_int
+        self._memcpy.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._memcpy2d = lib.cudaMemcpy2DAsync
+        self._memcpy2d.restype = ctypes.c_int
+        self._memcpy2d.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._error = lib.cudaGetErrorString
+        self._error.restype = ctypes.c_char_p
+        self._error.argtypes = [ctypes.c_int]
+
+    _loaded: Cudart | None | bool = False
+
+    @classmethod
+    def load(cls) -> Cudart | None:
+        """The runtime torch uses (once CUDA is initialised), or None."""
+        if cls._loaded is False:
+            cls._loaded = None
+            try:
+                import ctypes
+
+                with open("/proc/self/maps") as f:
+                    paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+                if len(paths) == 1:
+                    cls._loaded = cls(ctypes.CDLL(paths.pop()))
+            except (OSError, AttributeError):
+                cls._loaded = None
+        return cls._loaded  # type: ignore[return-value]
+
+    def copy(self, job: tuple[int, int, int, int, int, int], stream: int) -> None:
+        """Queue one copy ``(dst, dst_pitch, src, src_pitch, width, rows)`` (bytes) on ``stream``."""
+        dst, dpitch, src, spitch, width, rows = job
+        if rows == 1:
+            rc = self._memcpy(dst, src, width, self._DEFAULT, stream)
+        else:
+            rc = self._memcpy2d(dst, dpitch, src, spitch, width, rows, self._DEFAULT, stream)
+        if rc != 0:
+            raise RuntimeError(f"CUDA error {rc}: {self._error(rc).decode()}")
+
+
+def copy_job(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int, int, int] | None:
+    """``dst.copy_(src)`` as one 2-D memcpy (rows of contiguous bytes at a constant pitch on
+    both sides), or None when the regions differ in dtype or are strided in more than one way."""
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        return None
+    es = dst.element_size()
+    dims = [
+        (n, ds, ss)
+        for n, ds, ss in zip(dst.shape, dst.stride(), src.stride(), strict=True)
+        if n != 1
+    ]
+    width = 1
+    while dims and dims[-1][1] == width and dims[-1][2] == width:
+        width *= dims.pop()[0]
+    if not dims:
+        return (dst.data_ptr(), 0, src.data_ptr(), 0, width * es, 1)
+    rows, dpitch, spitch = dims.pop()
+    if dpitch < width or spitch < width:  # overlapping rows (broadcast views): not a memcpy
+        return None
+    while dims:  # outer dims must continue the same pitch on both sides
+        n, ds, ss = dims.pop()
+        if ds != dpitch * rows or ss != spitch * rows:
+            return None
+        rows *= n
+    return (dst.data_ptr(), dpitch * es, src.data_ptr(), spitch * es, width * es, rows)

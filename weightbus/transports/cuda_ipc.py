@@ -12,12 +12,23 @@ No staging buffer and no packing on either side, and no per-bucket handshake:
    contiguous regions of one dtype go through the copy engines (``cudaMemcpyAsync``, GPU to GPU
    over NVLink, or device-to-device on the same GPU for a colocated trainer and engine);
    strided regions and casts run torch's copy kernel;
+   strided regions of one dtype (rows of contiguous bytes at a constant pitch, such as a
+   tensor-parallel column shard of a row shard) are one 2-D memcpy each, queued through the
+   CUDA runtime at a few microseconds apiece; casts and other strides run torch's copy kernel;
 3. the writer leaves its tensors untouched until every reader acknowledged the version, which
    readers do only once their copies ran.
 
 A pull is done once its copies are queued, in the order of the reader's current stream: work
 the caller queues on that stream afterwards (and ``synchronize``) sees the bytes. Copies from
 different writers run on streams of their own, so a reader pulls from all of them at once.
+
+Fan-out relays. When a writer sends several readers identical buckets (engine replicas: the
+same regions, in the same order), only the first reader pulls the bucket from the writer; each
+next one pulls it from the reader before it, so every GPU sends each byte once and the writer's
+links are not shared three ways. The upstream reader records an interprocess event per relayed
+bucket once its copy is queued, and posts one control message per sync after queuing them all;
+the downstream reader's copies wait for those events on the GPU, so the chain is pipelined
+bucket by bucket with no per-bucket message.
 
 Where the copies run: torch runs a cross-GPU copy on the *source* GPU's stream (of the reader
 process), so strided copies and casts from another GPU borrow the writer GPU's SMs for their
@@ -29,11 +40,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgpack
 import torch
 
 from weightbus.errors import PlanMismatch, WeightbusError
 from weightbus.spec import torch_dtype
-from weightbus.transports._cuda import cuda_device
+from weightbus.transports._cuda import Cudart, copy_job, cuda_device
 from weightbus.transports.base import Handle, Program, Transport, register_transport
 
 __all__ = ["CudaIpcTransport"]
@@ -66,19 +78,67 @@ def _open(desc: list) -> torch.UntypedStorage:
     )
 
 
-class _Link:
-    """What one reader pulls from one writer: the writer's event and per-bucket copy lists."""
+_Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, width, rows)
 
-    __slots__ = ("buckets", "device", "event", "side", "source")
 
-    def __init__(self, device: torch.device, event: torch.cuda.Event, reader_device) -> None:
+class _Source:
+    """A process whose GPU memory this reader pulls from: a writer, or an upstream reader."""
+
+    __slots__ = ("device", "event", "name", "side", "stream")
+
+    def __init__(self, name: str, device: torch.device, reader_device: torch.device) -> None:
+        self.name = name
         self.device = device
-        self.event = event
-        # ``source``: a stream on the writer's GPU (torch runs cross-GPU copies there);
-        # ``side``: one on the reader's GPU, so that links do not queue behind each other
-        self.source = torch.cuda.Stream(device)
-        self.side = self.source if device == reader_device else torch.cuda.Stream(reader_device)
-        self.buckets: dict[int, tuple[int, list[tuple[torch.Tensor, torch.Tensor, Any]]]] = {}
+        self.event: torch.cuda.Event | None = None  # a writer's "tensors are final" event
+        # ``stream``: on the source's GPU (torch runs cross-GPU copies there, and so do the
+        # memcpy jobs); ``side``: on the reader's GPU, so that sources do not queue behind
+        # each other through the reader's current stream
+        self.stream = torch.cuda.Stream(device)
+        self.side = self.stream if device == reader_device else torch.cuda.Stream(reader_device)
+
+
+class _Bucket:
+    """One bucket as this reader pulls it: memcpy jobs, and (dst, src, wire dtype) pairs left
+    to ``Tensor.copy_`` (casts, odd strides)."""
+
+    __slots__ = ("jobs", "nbytes", "pairs", "ready", "relayed", "source")
+
+    def __init__(self, source: _Source, nbytes: int) -> None:
+        self.source = source
+        self.nbytes = nbytes
+        self.jobs: list[_Job] = []
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
+        self.ready: torch.cuda.Event | None = None  # upstream reader's event for this bucket
+        self.relayed: torch.cuda.Event | None = None  # ours, when a reader pulls it from us
+
+
+def _bucket_rows(ops) -> tuple[list[str], list[list]]:
+    """The tensor keys ``ops`` read, and per op ``[peer, tag, bytes, copies]`` with each copy
+    as ``[key index, [[start, stop] per dim], offset, bytes]``: what a table describes."""
+    keys: dict[str, int] = {}
+    buckets = []
+    for op in ops:
+        copies = []
+        for c in op.copies:
+            tid = keys.setdefault(c.key, len(keys))
+            copies.append([tid, [[x.start, x.stop] for x in c.index], c.offset, c.nbytes])
+        buckets.append([op.peer_global, op.bucket, op.nbytes, copies])
+    return list(keys), buckets
+
+
+def _relays(tables: dict[str, dict], roster) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """Chains of identical buckets: (reader, writer, tag) keyed by (reader, tag) -> the
+    upstream (reader, tag) it pulls from. Identical = same writer, same regions, same order."""
+    upstream: dict[tuple[int, int], tuple[int, int, int]] = {}
+    for name, t in tables.items():
+        writer = roster.global_rank(name)
+        last: dict[bytes, tuple[int, int]] = {}
+        for peer, tag, _nbytes, copies in sorted(t["buckets"], key=lambda b: (b[0], b[1])):
+            key = msgpack.packb(copies)
+            if key in last and last[key][0] != peer:
+                upstream[(peer, tag)] = (*last[key], writer)
+            last[key] = (peer, tag)
+    return upstream
 
 
 @register_transport
@@ -98,12 +158,17 @@ class CudaIpcTransport(Transport):
         if fields:
             raise TypeError(f"cuda_ipc: unknown options {sorted(fields)}")
         self._device: torch.device | None = None
-        self._event: torch.cuda.Event | None = None
-        self._shared: list[torch.UntypedStorage] = []  # a writer keeps what it shared alive
-        self._opened: list[torch.UntypedStorage] = []  # a reader keeps what it mapped
-        self._links: dict[int, _Link] = {}  # writer global rank -> link
-        self._waited: set[int] = set()
-        self._exposed = False
+        self._event: torch.cuda.Event | None = None  # a writer's, recorded at begin()
+        self._shared: list[torch.UntypedStorage] = []  # what this process shared, kept alive
+        self._opened: list[torch.UntypedStorage] = []  # what it mapped, kept alive
+        self._buckets: dict[tuple[int, int], _Bucket] = {}  # (writer, tag) -> how to pull it
+        self._topic = ""
+        self._cudart: Cudart | None = None
+        # per sync, on a reader
+        self._sync = 0
+        self._pulled = 0
+        self._waited: set[str] = set()
+        self._relays_out = False  # whether some reader pulls buckets from this one
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -135,139 +200,170 @@ class CudaIpcTransport(Transport):
         self._require_connected()
         control, me = self.control, self.participant
         assert control is not None and me is not None
-        topic = f"cuda_ipc/{control.sequence('cuda_ipc')}"
+        self._topic = f"cuda_ipc/{control.sequence('cuda_ipc')}"
         if me.role == "writer":
-            self._expose_writer(topic, program)
+            self._event = torch.cuda.Event(interprocess=True)
+            self._event.record(torch.cuda.current_stream(self._device))
+            control.post(self._topic, self._share_table(program, program.ops, event=self._event))
+            # every reader has mapped what it pulls before the first sync
+            control.gather(self._topic + "/opened", role="reader")
         else:
-            self._expose_reader(topic, program)
-        self._exposed = True
+            self._expose_reader(program)
 
-    def _expose_writer(self, topic: str, program: Program) -> None:
-        assert self.control is not None and self._device is not None
-        self._event = torch.cuda.Event(interprocess=True)
-        self._event.record()
-        storages: dict[int, int] = {}  # storage data_ptr -> index in self._shared
-        tensors: dict[str, int] = {}  # tensor key -> index in the table
+    def _share_table(self, program: Program, ops, event=None, events=()) -> dict:
+        """Share the storages behind ``ops``' regions; the table a puller maps them from."""
+        assert self._device is not None
+        keys, buckets = _bucket_rows(ops)
+        storages: dict[int, int] = {}  # storage data_ptr -> index in ``shared``
+        shared: list[torch.UntypedStorage] = []
         table = []
-        buckets = []
-        for op in program.ops:
-            copies = []
-            for c in op.copies:
-                if c.key not in tensors:
-                    t = program.tensors[c.key]
-                    self._check_tensor(t, c.key)
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in storages:
-                        storages[st.data_ptr()] = len(self._shared)
-                        self._shared.append(st)
-                    tensors[c.key] = len(table)
-                    table.append(
-                        [
-                            storages[st.data_ptr()],
-                            t.storage_offset(),
-                            list(t.shape),
-                            list(t.stride()),
-                            str(t.dtype).removeprefix("torch."),
-                        ]
-                    )
-                index = [[s.start, s.stop] for s in c.index]
-                copies.append([tensors[c.key], index, c.offset, c.nbytes])
-            buckets.append([op.peer_global, op.bucket, op.nbytes, copies])
-        self.control.post(
-            topic,
-            {
-                "device": self._device.index,
-                "event": bytes(self._event.ipc_handle()),
-                "storages": [_share(st) for st in self._shared],
-                "tensors": table,
-                "buckets": buckets,
-            },
-        )
-        # every reader has mapped what it pulls before the first sync
-        self.control.gather(topic + "/opened", role="reader")
-        logger.debug(
-            "weightbus cuda_ipc: %s shares %d storages (%d tensors)",
-            self.participant.name if self.participant else "?",
-            len(self._shared),
-            len(table),
-        )
-
-    def _check_tensor(self, t: torch.Tensor, key: str) -> None:
-        if self._device is None or t.device != self._device:
-            raise ValueError(
-                f"cuda_ipc: tensor {key!r} is on {t.device}, this participant uses "
-                f"{self._device}: keep the bound tensors on the participant's device"
+        for key in keys:
+            t = program.tensors[key]
+            if t.device != self._device:
+                raise ValueError(
+                    f"cuda_ipc: tensor {key!r} is on {t.device}, this participant uses "
+                    f"{self._device}: keep the bound tensors on its device"
+                )
+            st = t.untyped_storage()
+            if st.data_ptr() not in storages:
+                storages[st.data_ptr()] = len(shared)
+                shared.append(st)
+            dtype = str(t.dtype).removeprefix("torch.")
+            table.append(
+                [
+                    storages[st.data_ptr()],
+                    t.storage_offset(),
+                    list(t.shape),
+                    list(t.stride()),
+                    dtype,
+                ]
             )
+        self._shared.extend(shared)
+        return {
+            "device": self._device.index,
+            "event": b"" if event is None else bytes(event.ipc_handle()),
+            "events": [bytes(e.ipc_handle()) for e in events],
+            "storages": [_share(st) for st in shared],
+            "tensors": table,
+            "buckets": buckets,
+        }
 
-    def _expose_reader(self, topic: str, program: Program) -> None:
-        assert self.control is not None and self.roster is not None and self._device is not None
-        tables = self.control.gather(topic, role="writer")
-        me = self.participant
-        assert me is not None
-        mine = self.roster.global_rank(me.name)
+    def _expose_reader(self, program: Program) -> None:
+        control, roster, me = self.control, self.roster, self.participant
+        assert control is not None and roster is not None and me is not None
+        assert self._device is not None
+        self._cudart = Cudart.load()
+        writers = control.gather(self._topic, role="writer")
+        mine = roster.global_rank(me.name)
         ops = {(op.peer_global, op.bucket): op for op in program.ops}
-        for name, t in sorted(tables.items()):
-            writer = self.roster.global_rank(name)
-            device = torch.device("cuda", int(t["device"]))
-            event = torch.cuda.Event.from_ipc_handle(device, t["event"])
-            link = _Link(device, event, self._device)
-            storages: dict[int, torch.UntypedStorage] = {}
-            bases: dict[int, torch.Tensor] = {}
+        upstream = _relays(writers, roster)
+        # buckets a later reader pulls from this one: an event each, and our regions shared
+        downstream = sorted({up[1]: up[2] for up in upstream.values() if up[0] == mine}.items())
+        out_ops = [ops[(writer, tag)] for tag, writer in downstream]
+        events = []
+        for _ in out_ops:
+            events.append(torch.cuda.Event(interprocess=True))
+            events[-1].record(torch.cuda.current_stream(self._device))
+        self._relays_out = bool(out_ops)
+        control.post(self._topic + "/relay", self._share_table(program, out_ops, events=events))
+        relays = control.gather(self._topic + "/relay", role="reader")
+        relay_events = dict(zip(((w, t) for t, w in downstream), events, strict=True))
+        sources: dict[str, tuple[_Source, dict, dict]] = {}
+
+        def source(name: str, t: dict) -> tuple[_Source, dict, dict]:
+            if name not in sources:
+                src = _Source(name, torch.device("cuda", int(t["device"])), self._device)
+                # one small copy through torch: it enables peer access from the source's GPU
+                torch.empty(1, device=self._device).copy_(torch.zeros(1, device=src.device))
+                if t["event"]:
+                    src.event = torch.cuda.Event.from_ipc_handle(src.device, t["event"])
+                sources[name] = (src, {}, {})
+            return sources[name]
+
+        for wname, t in sorted(writers.items()):
+            writer = roster.global_rank(wname)
             for peer, tag, nbytes, copies in t["buckets"]:
                 if peer != mine:
                     continue
                 op = ops.pop((writer, tag), None)
                 if op is None or op.nbytes != nbytes:
                     raise PlanMismatch(
-                        f"cuda_ipc: writer {name!r} shares bucket {tag} ({nbytes} bytes) for "
+                        f"cuda_ipc: writer {wname!r} shares bucket {tag} ({nbytes} bytes) for "
                         f"{me.name!r}, whose plan has "
                         + ("no such bucket" if op is None else f"{op.nbytes} bytes in it")
                         + ": the two sides planned differently"
                     )
-                by_offset = {c.offset: c for c in op.copies}
-                pairs = []
-                for tid, index, offset, n in copies:
-                    if tid not in bases:
-                        sidx, soff, size, stride, dtype = t["tensors"][tid]
-                        if sidx not in storages:
-                            storages[sidx] = _open(t["storages"][sidx])
-                            self._opened.append(storages[sidx])
-                        bases[tid] = torch.empty(0, dtype=torch_dtype(dtype), device=device).set_(
-                            storages[sidx], soff, size, stride
-                        )
-                    src = bases[tid][tuple(slice(a, b) for a, b in index)]
-                    c = by_offset.get(offset)
-                    if c is None or c.nbytes != n:
-                        raise PlanMismatch(
-                            f"cuda_ipc: bucket {tag} from {name!r}: the writer has a route at "
-                            f"byte {offset} ({n} bytes) that {me.name!r} does not expect"
-                        )
-                    dst = program.tensors[c.key][c.index]
-                    if src.shape != dst.shape:
-                        if src.numel() != dst.numel():
-                            raise PlanMismatch(
-                                f"cuda_ipc: {c.tensor}: writer {name!r} region {tuple(src.shape)} "
-                                f"and reader region {tuple(dst.shape)} differ in size"
-                            )
-                        src = src.view(dst.shape)  # the same box, up to leading 1-dims
-                    # the wire dtype matters only when it differs from both ends' dtypes
-                    wire = c.dtype if c.dtype not in (src.dtype, dst.dtype) else None
-                    pairs.append((dst, src, wire))
-                link.buckets[tag] = (nbytes, pairs)
-            self._links[writer] = link
+                up = upstream.get((mine, tag))
+                if up is None:
+                    src, storages, bases = source(wname, t)
+                    b = self._bucket(src, op, program, t, copies, storages, bases)
+                else:
+                    uname = roster.all[up[0]].name
+                    ut = relays[uname]
+                    src, storages, bases = source(uname, ut)
+                    at = [i for i, bk in enumerate(ut["buckets"]) if bk[1] == up[1]]
+                    assert len(at) == 1, (uname, up)
+                    b = self._bucket(src, op, program, ut, ut["buckets"][at[0]][3], storages, bases)
+                    b.ready = torch.cuda.Event.from_ipc_handle(src.device, ut["events"][at[0]])
+                b.relayed = relay_events.get((writer, tag))
+                self._buckets[(writer, tag)] = b
         if ops:
             (peer, tag), op = next(iter(ops.items()))
             raise PlanMismatch(
                 f"cuda_ipc: {me.name!r} expects {len(ops)} buckets no writer shared, e.g. "
-                f"bucket {tag} from {self.roster.all[peer].name!r} ({op.nbytes} bytes)"
+                f"bucket {tag} from {roster.all[peer].name!r} ({op.nbytes} bytes)"
             )
-        self.control.post(topic + "/opened", {})
-        logger.debug(
-            "weightbus cuda_ipc: %s maps %d storages from %d writers",
+        control.post(self._topic + "/opened", {})
+        relayed = sum(b.ready is not None for b in self._buckets.values())
+        logger.info(
+            "weightbus cuda_ipc: %s pulls %d buckets (%d relayed from readers before it, %d "
+            "memcpy regions, %d copy kernels); %d buckets relayed on to readers after it",
             me.name,
-            len(self._opened),
-            len(self._links),
+            len(self._buckets),
+            relayed,
+            sum(len(b.jobs) for b in self._buckets.values()),
+            sum(len(b.pairs) for b in self._buckets.values()),
+            len(out_ops),
         )
+
+    def _bucket(self, src, op, program, table, copies, storages, bases) -> _Bucket:
+        """Pair each route of ``op`` (ours) with its region in the source's shared tensors."""
+        me = self.participant
+        assert me is not None
+        b = _Bucket(src, op.nbytes)
+        by_offset = {c.offset: c for c in op.copies}
+        for tid, index, offset, n in copies:
+            if tid not in bases:
+                sidx, soff, size, stride, dtype = table["tensors"][tid]
+                if sidx not in storages:
+                    storages[sidx] = _open(table["storages"][sidx])
+                    self._opened.append(storages[sidx])
+                bases[tid] = torch.empty(0, dtype=torch_dtype(dtype), device=src.device).set_(
+                    storages[sidx], soff, size, stride
+                )
+            region = bases[tid][tuple(slice(a, b) for a, b in index)]
+            c = by_offset.get(offset)
+            if c is None or c.nbytes != n:
+                raise PlanMismatch(
+                    f"cuda_ipc: bucket {op.bucket} from {src.name!r}: it has a route at byte "
+                    f"{offset} ({n} bytes) that {me.name!r} does not expect"
+                )
+            dst = program.tensors[c.key][c.index]
+            if region.shape != dst.shape:
+                if region.numel() != dst.numel():
+                    raise PlanMismatch(
+                        f"cuda_ipc: {c.tensor}: {src.name!r} region {tuple(region.shape)} and "
+                        f"{me.name!r} region {tuple(dst.shape)} differ in size"
+                    )
+                region = region.view(dst.shape)  # the same box, up to leading 1-dims
+            job = copy_job(dst, region) if self._cudart is not None else None
+            if job is not None:
+                b.jobs.append(job)
+            else:
+                # the wire dtype matters only when it differs from both ends' dtypes
+                wire = c.dtype if c.dtype not in (region.dtype, dst.dtype) else None
+                b.pairs.append((dst, region, wire))
+        return b
 
     # -- per sync -------------------------------------------------------------------------------
 
@@ -275,32 +371,58 @@ class CudaIpcTransport(Transport):
         if self._event is not None:
             # the tensors are final once the current stream's work so far has run
             self._event.record(torch.cuda.current_stream(self._device))
-        self._waited.clear()
 
     def _pull(self, handle: Handle) -> None:
-        assert self.roster is not None and self._device is not None
-        if not self._exposed:
-            raise WeightbusError("cuda_ipc: expose() must run at connect, before any pull")
-        writer = self.roster.global_rank(handle.peer.name)
-        link = self._links.get(writer)
-        entry = None if link is None else link.buckets.get(handle.tag)
-        if entry is None:
+        assert self.roster is not None and self._device is not None and self.control is not None
+        b = self._buckets.get((self.roster.global_rank(handle.peer.name), handle.tag))
+        if b is None:
             raise WeightbusError(
                 f"cuda_ipc: {handle.peer.name!r} shared no bucket {handle.tag} for this reader"
             )
-        nbytes, pairs = entry
-        handle.nbytes = nbytes
+        handle.nbytes = b.nbytes
+        src = b.source
         main = torch.cuda.current_stream(self._device)
-        if writer not in self._waited:
-            # once per sync and link: the writer's tensors are final, and this reader's earlier
-            # work on them (the engine reading its weights) is done before they are overwritten
-            link.source.wait_event(link.event)
-            link.side.wait_stream(main)
-            self._waited.add(writer)
-        with torch.cuda.stream(link.side), torch.cuda.stream(link.source):
-            for dst, src, wire in pairs:
-                dst.copy_(src if wire is None else src.to(wire), non_blocking=True)
-        main.wait_stream(link.side)
+        if src.name not in self._waited:
+            # once per sync and source: its tensors are final (a writer's event; an upstream
+            # reader's per-bucket events below, once it has recorded them all), and this
+            # reader's earlier work on its own tensors (the engine reading them) is done
+            if src.event is not None:
+                src.stream.wait_event(src.event)
+            else:
+                self.control.gather(
+                    f"{self._topic}/relayed/{self._sync}", names=[src.name], timeout=self.timeout
+                )
+            src.stream.wait_stream(main)
+            if src.side is not src.stream:
+                src.side.wait_stream(main)
+            self._waited.add(src.name)
+        if b.ready is not None:
+            src.stream.wait_event(b.ready)
+            if b.pairs and src.side is not src.stream:
+                src.side.wait_event(b.ready)
+        if b.jobs:
+            assert self._cudart is not None
+            stream = src.stream.cuda_stream
+            with torch.cuda.device(src.device):
+                for job in b.jobs:
+                    self._cudart.copy(job, stream)
+            main.wait_stream(src.stream)
+        if b.pairs:
+            # torch runs a cross-GPU copy on the source GPU's current stream, fenced both ways
+            # with the destination GPU's current stream
+            with torch.no_grad(), torch.cuda.stream(src.side), torch.cuda.stream(src.stream):
+                for dst, region, wire in b.pairs:
+                    dst.copy_(region if wire is None else region.to(wire), non_blocking=True)
+            main.wait_stream(src.side)
+        if b.relayed is not None:
+            b.relayed.record(main)  # the bucket is in our tensors once this fires
+        self._pulled += 1
+        if self._pulled == len(self._buckets):  # every bucket of this sync is queued
+            if self._relays_out:
+                self.control.post(f"{self._topic}/relayed/{self._sync}", {})
+            self._sync += 1
+            self._pulled = 0
+            self._waited.clear()
         self._completed(handle)
 
     def _send(self, handle: Handle, buf: torch.Tensor) -> None:
@@ -309,7 +431,7 @@ class CudaIpcTransport(Transport):
     _recv = _send
 
     def _close(self) -> None:
-        self._links.clear()
+        self._buckets.clear()
         self._opened.clear()
         self._shared.clear()
         self._event = None

@@ -1,0 +1,113 @@
+"""copy_job turns a region copy into one 2-D memcpy; checked on CPU by replaying the memcpy."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from weightbus.transports._cuda import copy_job
+
+
+def _replay(job, dst_base: torch.Tensor, src_base: torch.Tensor) -> None:
+    """Run a (dst, dpitch, src, spitch, width, rows) job on CPU tensors' bytes."""
+    dst, dpitch, src, spitch, width, rows = job
+    d = dst_base.view(-1).view(torch.uint8)
+    s = src_base.view(-1).view(torch.uint8)
+    do, so = dst - dst_base.data_ptr(), src - src_base.data_ptr()
+    for r in range(rows):
+        d[do + r * dpitch : do + r * dpitch + width] = s[so + r * spitch : so + r * spitch + width]
+
+
+def _region(shape: tuple[int, ...], rng: random.Random) -> tuple[slice, ...]:
+    out = []
+    for n in shape:
+        a = rng.randrange(n)
+        out.append(slice(a, rng.randrange(a + 1, n + 1)))
+    return tuple(out)
+
+
+def test_copy_job_equals_copy_on_random_regions():
+    rng = random.Random(0)
+    seen_2d = seen_none = 0
+    for _ in range(400):
+        nd = rng.choice([1, 2, 3])
+        shape = tuple(rng.randint(1, 7) for _ in range(nd))
+        src_base = torch.randn(*shape).to(torch.bfloat16)
+        region = _region(shape, rng)
+        ext = tuple(s.stop - s.start for s in region)
+        # the destination region sits somewhere in a tensor of its own, maybe wider
+        dshape = tuple(e + rng.randint(0, 3) for e in ext)
+        dst_base = torch.full(dshape, float("nan"), dtype=torch.bfloat16)
+        at = tuple(
+            slice(o, o + e)
+            for o, e in zip(
+                (rng.randint(0, d - e) for d, e in zip(dshape, ext, strict=True)), ext, strict=True
+            )
+        )
+        want = dst_base.clone()
+        want[at].copy_(src_base[region])
+        job = copy_job(dst_base[at], src_base[region])
+        if job is None:
+            seen_none += 1
+            continue
+        seen_2d += job[5] > 1
+        _replay(job, dst_base, src_base)
+        assert torch.equal(dst_base.view(torch.int16), want.view(torch.int16)), (
+            shape,
+            region,
+            dshape,
+            at,
+            job,
+        )
+    assert seen_2d > 50 and seen_none > 10  # both paths were exercised
+
+
+def test_copy_job_refuses_casts_and_broadcasts():
+    a = torch.zeros(4, 4)
+    assert copy_job(a, a.to(torch.float64)) is None
+    assert copy_job(a, torch.zeros(1, 4).expand(4, 4)) is None
+    src = torch.zeros(4, 4)
+    assert copy_job(a[:, :2], src[:, 2:]) == (a.data_ptr(), 16, src.data_ptr() + 8, 16, 8, 4)
+
+
+def _writer_tables(writers: str, readers: str) -> tuple[dict, object, object]:
+    """What each writer of a tiny-llama plan would post at expose (without sharing memory)."""
+    from weightbus.control.store import Roster
+    from weightbus.layouts.describe import build_layouts
+    from weightbus.layouts.families import model_spec
+    from weightbus.plan import PlanOptions, build_program, make_plan
+    from weightbus.transports.cuda_ipc import _bucket_rows
+
+    model = model_spec("tiny-llama", dtype="bfloat16")
+    plan = make_plan(
+        build_layouts(model, writers, "writer"),
+        build_layouts(model, readers, "reader"),
+        PlanOptions(bucket_bytes=1 << 20, direct_bytes=4096),
+    )
+    tables = {}
+    for w in plan.writers:
+        _, buckets = _bucket_rows(build_program(plan, "writer", w.rank))
+        tables[w.name] = {"buckets": buckets}
+    return tables, Roster.of(plan.participants), plan
+
+
+def test_replicas_are_chained_bucket_by_bucket():
+    """1 writer -> 3 identical engine replicas: the 2nd pulls every bucket from the 1st, the
+    3rd from the 2nd; nothing is relayed between readers of different layouts."""
+    from weightbus.transports.cuda_ipc import _relays
+
+    tables, roster, plan = _writer_tables("whole", "vllm:tp=1,dp=3")
+    up = _relays(tables, roster)
+    r0, r1, r2 = (roster.global_rank(r.name) for r in plan.readers)
+    per_reader = {
+        r: [b for b in tables[plan.writers[0].name]["buckets"] if b[0] == r] for r in (r0, r1, r2)
+    }
+    assert len(per_reader[r0]) == len(per_reader[r1]) == len(per_reader[r2]) > 10
+    assert not any(k[0] == r0 for k in up)  # the first replica pulls from the writer
+    for reader, before in ((r1, r0), (r2, r1)):
+        for peer, tag, _nbytes, _copies in per_reader[reader]:
+            assert up[(peer, tag)][0] == before and up[(peer, tag)][2] == 0
+    # two tensor-parallel ranks hold different halves: no bucket of one is another's
+    tables, roster, _ = _writer_tables("whole", "vllm:tp=2")
+    assert _relays(tables, roster) == {}
