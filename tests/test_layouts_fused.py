@@ -402,3 +402,21 @@ def test_deepseek_v3_engine_layouts_at_scale() -> None:
         held += int(extent[is_expert].sum())
     assert held == 8 * expert_numel
     assert len(layouts[0].pieces) == 3635
+
+
+def test_describe_vllm_data_parallel_splits_experts_over_all_ranks():
+    """``vllm:tp=2,dp=2`` without ep: each expert's intermediate dim over all 4 ranks (vLLM's
+    MoE tensor parallel spans data parallel); with ``ep=on`` whole experts, a quarter each."""
+    from weightbus.layouts.describe import build_layouts
+    from weightbus.layouts.families import model_spec
+
+    model = model_spec("qwen3-30b-a3b")
+    w13 = "model.layers.0.mlp.experts.w13_weight"
+    inter, experts = 768, 128
+    for desc, want in (
+        ("vllm:tp=2,dp=2", (experts, 2 * inter // 4)),
+        ("vllm:tp=2,dp=2,ep=on", (experts // 4, 2 * inter)),
+    ):
+        for layout in build_layouts(model, desc, "reader"):
+            local = next(x for x in layout.locals if x.key == w13)
+            assert tuple(local.shape[:2]) == want, (desc, layout.name, local.shape)

@@ -13,7 +13,8 @@ A description is ``kind`` or ``kind:key=value,key=value``:
     participants, rank ``((d * P + p) * E + e) * T + t``.
 ``vllm:tp=T[,dp=D][,ep=on]``
     vLLM-style engines with fused parameters: D replicas of tensor parallel T; with ``ep=on``,
-    experts are spread over all D x T ranks (vLLM's expert parallel), else split over tp.
+    experts are spread over all D x T ranks (vLLM's expert parallel), else each expert is split
+    over all D x T ranks (vLLM's MoE tensor parallel spans the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def build_layouts(
             tp_rank=tp,
             ep=d * t if ep else 1,
             ep_rank=dp * t + tp if ep else 0,
+            # without expert parallel, vLLM splits each expert over all tp x dp ranks
+            moe_tp=None if ep else d * t,
+            moe_tp_rank=None if ep else dp * t + tp,
             dtype=dtype,
         )
         for dp in range(d)

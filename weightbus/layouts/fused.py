@@ -17,11 +17,18 @@ holds them (names: see :mod:`weightbus.layouts.families`).
   the end of the last shards belong to no piece. With tied embeddings there is no canonical
   ``lm_head`` and the one ``embed_tokens`` parameter serves both, as in vLLM.
 * ``FusedMoE``: ``w13_weight`` is ``(E_local, 2 * I_shard, H)`` with expert ``j``'s
-  ``[gate shard; up shard]`` at ``[j]``, ``w2_weight`` is ``(E_local, H, I_shard)``. Experts
-  are placed contiguously over ``ep`` ranks; when ``ep`` does not divide the expert count the
-  first ``E % ep`` ranks own one more (vLLM's linear placement). With ``ep > 1`` experts are
-  whole (``I_shard = I``, vLLM's FusedMoE runs with tp 1 under expert parallel); with
-  ``ep == 1`` the intermediate dim splits over ``tp``.
+  ``[gate shard; up shard]`` at ``[j]``, ``w2_weight`` is ``(E_local, H, I_shard)``. With
+  ``expert_placement="linear"`` experts are placed contiguously over ``ep`` ranks; when ``ep``
+  does not divide the expert count the first ``E % ep`` ranks own one more (vLLM's linear
+  placement). With ``"round_robin"`` rank ``r`` owns experts ``r, r + ep, r + 2 ep, ...`` in
+  that order (vLLM's ``expert_placement_strategy="round_robin"``). The intermediate dim ``I``
+  splits over ``moe_tp`` ranks (``I_shard = I / moe_tp``, part ``moe_tp_rank``). By default
+  ``moe_tp`` is 1 with ``ep > 1`` (vLLM's FusedMoE runs with tp 1 under expert parallel) and
+  ``tp`` with ``ep == 1``. Pass it for the other cases: vLLM with data parallel and no expert
+  parallel shards experts over all ``tp * dp`` ranks (``moe_tp = tp * dp``, ``moe_tp_rank =
+  dp_rank * tp + tp_rank``), and SGLang with ``ep`` dividing ``tp`` splits each expert over
+  ``moe_tp = tp / ep`` ranks (``ep_rank = tp_rank // moe_tp``, ``moe_tp_rank = tp_rank %
+  moe_tp``).
 * DeepSeek multi-latent attention, as vLLM's ``DeepseekV2MLAAttention``: with ``q_lora_rank``
   the replicated ``fused_qkv_a_proj`` = ``[q_a_proj; kv_a_proj_with_mqa]``, without it a
   column-parallel ``q_proj`` and a replicated ``kv_a_proj_with_mqa``; ``q_a_layernorm`` and
@@ -40,7 +47,7 @@ from weightbus.layouts.families import CanonicalTensor, ModelSpec
 from weightbus.layouts.megatron import Rows, check_rank, expert_range, round_up, shard
 from weightbus.spec import Layout, Participant, dtype_name
 
-__all__ = ["engine_layout", "kv_head_range"]
+__all__ = ["EXPERT_PLACEMENTS", "engine_layout", "expert_ids", "kv_head_range"]
 
 
 def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> range:
@@ -94,14 +101,17 @@ def _vocab(rows: Rows, i: int, t: CanonicalTensor, tp: int, tp_rank: int, pad: i
         rows.piece(i, (lo, 0), (hi, hidden), key, (0, 0))
 
 
-def _experts(rows: Rows, experts: range, tp: int, tp_rank: int, ep: int) -> None:
-    """Every MoE layer's FusedMoE ``w13_weight`` and ``w2_weight``, as one array block."""
+def _experts(rows: Rows, experts: np.ndarray, moe_tp: int, moe_tp_rank: int) -> None:
+    """Every MoE layer's FusedMoE ``w13_weight`` and ``w2_weight``, as one array block.
+
+    ``experts`` are the global expert ids this rank holds, in local order.
+    """
     model = rows.model
     tensors, names = model.tensors, model.names
     moe = [layer for layer in model.layers if layer.moe]
     gate = tensors[moe[0].experts_start]
     inter, hidden = gate.shape
-    lo, hi = (0, inter) if ep > 1 else shard(gate, 0, tp, tp_rank, "tp")
+    lo, hi = shard(gate, 0, moe_tp, moe_tp_rank, "moe_tp")
     width = hi - lo
     n = len(experts)
     dtype = rows.local_dtype(gate)
@@ -126,8 +136,8 @@ def _experts(rows: Rows, experts: range, tp: int, tp_rank: int, ep: int) -> None
     lstart = np.zeros((n, 3, 3), np.int64)
     lstart[:, :, 0] = np.arange(n)[:, None]
     lstart[:, 1, 1] = width
-    bases = np.array([layer.experts_start for layer in moe], np.int64) + 3 * experts.start
-    t = bases[:, None, None] + 3 * np.arange(n)[None, :, None] + np.arange(3)[None, None, :]
+    bases = np.array([layer.experts_start for layer in moe], np.int64)
+    t = bases[:, None, None] + 3 * experts[None, :, None] + np.arange(3)[None, None, :]
     count = len(moe) * n * 3
     rows.block(
         t.reshape(-1),
@@ -187,10 +197,14 @@ def engine_layout(
     ep_rank: int = 0,
     vocab_pad: int = 64,
     dtype: str | None = None,
+    moe_tp: int | None = None,
+    moe_tp_rank: int | None = None,
+    expert_placement: str = "linear",
 ) -> Layout:
     """The layout of the vLLM-style inference rank at ``(tp_rank, ep_rank)``.
 
-    See the module docstring for every rule. Raises ValueError, naming the tensor and the
+    See the module docstring for every rule (``moe_tp``, ``moe_tp_rank`` and
+    ``expert_placement`` under ``FusedMoE``). Raises ValueError, naming the tensor and the
     sizes, when ``tp`` or ``ep`` does not fit the model. Local tensors list the non-expert
     parameters in model order, then each MoE layer's ``w13_weight`` and ``w2_weight``.
     """
@@ -213,7 +227,34 @@ def engine_layout(
         ("engine_layout", tp, tp_rank, vocab_pad, dtype),
         lambda: _dense(model, tp, tp_rank, vocab_pad, dtype),
     )
+    if (moe_tp is None) != (moe_tp_rank is None):
+        raise ValueError(
+            f"pass moe_tp and moe_tp_rank together (got moe_tp={moe_tp!r}, "
+            f"moe_tp_rank={moe_tp_rank!r}), or neither for the default"
+        )
+    if moe_tp is None:
+        moe_tp, moe_tp_rank = (1, 0) if ep > 1 else (tp, tp_rank)
+    check_rank("moe_tp", moe_tp, moe_tp_rank)
     rows = Rows(model, participant, dtype, base=dense)
     if model.num_experts:
-        _experts(rows, expert_range(model.num_experts, ep, ep_rank, even=False), tp, tp_rank, ep)
+        experts = expert_ids(model.num_experts, ep, ep_rank, expert_placement)
+        _experts(rows, experts, moe_tp, moe_tp_rank)
     return rows.build()
+
+
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+
+
+def expert_ids(num_experts: int, ep: int, ep_rank: int, placement: str = "linear") -> np.ndarray:
+    """The global ids of the experts expert-parallel rank ``ep_rank`` holds, in local order.
+
+    ``"linear"``: a contiguous range, the first ``num_experts % ep`` ranks one expert more.
+    ``"round_robin"``: ``ep_rank, ep_rank + ep, ...``.
+    """
+    if placement not in EXPERT_PLACEMENTS:
+        raise ValueError(f"expert_placement={placement!r} is not one of {EXPERT_PLACEMENTS}")
+    if placement == "round_robin":
+        expert_range(num_experts, ep, ep_rank, even=False)  # the same checks
+        return np.arange(ep_rank, num_experts, ep, dtype=np.int64)
+    held = expert_range(num_experts, ep, ep_rank, even=False)
+    return np.arange(held.start, held.stop, dtype=np.int64)

@@ -1,0 +1,963 @@
+"""vLLM integration: receive each sync straight into vLLM's fused parameters.
+
+Inference side, two ways into vLLM's worker processes:
+
+* **Native weight-transfer backend** (vLLM's ``WeightTransferEngine`` API with the four-phase
+  lifecycle: ``init_transfer_engine``, ``start_weight_update``, ``receive_weights``,
+  ``finish_weight_update``, ``shutdown``; documented from vLLM v0.25). Installing weightbus
+  adds the entry point ``vllm.general_plugins: weightbus`` so that every vLLM process runs
+  :func:`register`, which registers the backend ``"weightbus"`` with
+  ``WeightTransferEngineFactory``. Start vLLM with it::
+
+      vllm serve MODEL --weight-transfer-config '{"backend": "weightbus"}'
+
+  (the RLHF routes are under vLLM's dev mode: ``VLLM_SERVER_DEV_MODE=1``).
+* **Worker extension** for vLLM versions without the native API:
+  ``LLM(..., worker_extension_cls="weightbus.engines.vllm.WorkerExtension")`` and drive it
+  with :class:`CollectiveRPC` (``llm.collective_rpc("weightbus_init", ...)``).
+
+Either way each vLLM worker (one GPU: one tensor-parallel rank of one data-parallel replica)
+is one weightbus reader. Its layout is :func:`vllm_layout` of the served model's
+:class:`~weightbus.layouts.families.ModelSpec` (built from vLLM's Hugging Face config) at the
+worker's parallel ranks, and :func:`bind` ties it to the worker's live parameters by name,
+after checking every shape and dtype, the parallel layers' own attributes (tp size and rank,
+KV head replicas, vocab padding, expert map) and that no parameter is left out. A sync then
+writes in place into those parameters: no ``load_weights``, no copy of the model.
+
+What in-place receiving requires: the engine's parameters must hold the checkpoint's values
+as loaded (vLLM's ``reload_mode="direct"`` has the same condition). That holds for unquantized
+models on CUDA. :func:`bind` refuses quantized layers (FP8 and others; see "FP8" below).
+DeepSeek's multi-latent attention derives ``W_UK_T`` / ``W_UV`` from ``kv_b_proj`` after
+loading; :meth:`Receiver.finish` recomputes them in place after every sync
+(:func:`refresh_derived`).
+
+FP8 (not built). Receiving into FP8 parameters needs the FP8 block codec (quantize on the
+writer, ship values and ``weight_scale_inv``) and vLLM's post-load processing of FP8 layers,
+which re-lays out weights (transposes, requantizes to a per-tensor max scale) and replaces the
+parameter objects. Until weightbus has that codec, :func:`bind` raises for quantized models
+instead of writing bf16 bytes into FP8 storage.
+
+Trainer side, :class:`VLLMWeightSync` drives vLLM's HTTP routes (``/get_world_size``,
+``/init_weight_transfer_engine``, ``/pause``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update`` with ``weight_version``, ``/resume``) together with weightbus'
+:class:`~weightbus.Writer`; the data itself moves through weightbus' transports (NCCL on
+GPUs), never through HTTP.
+
+Pipeline parallel vLLM engines, LoRA-extended vocabularies, expert-parallel load balancing
+(redundant experts) and SGLang-style data-parallel attention are not supported.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightbus._session import SyncConfig, SyncResult
+from weightbus.control.store import ControlConfig
+from weightbus.errors import WeightbusError
+from weightbus.layouts.families import ModelSpec, model_spec
+from weightbus.layouts.fused import EXPERT_PLACEMENTS, engine_layout, expert_ids, kv_head_range
+from weightbus.reader import Reader
+from weightbus.spec import BoundLayout, Layout, LayoutError, Participant, dtype_name
+from weightbus.writer import Writer
+
+__all__ = [
+    "BACKEND",
+    "CollectiveRPC",
+    "InitInfo",
+    "Receiver",
+    "UpdateInfo",
+    "VLLMParallel",
+    "VLLMServer",
+    "VLLMWeightSync",
+    "WorkerExtension",
+    "bind",
+    "refresh_derived",
+    "register",
+    "vllm_layout",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "weightbus"
+"""The name of the weight-transfer backend in ``WeightTransferConfig(backend=...)``."""
+
+_UNQUANTIZED = (
+    "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod",
+    "UnquantizedFusedMoEMethod",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VLLMParallel:
+    """Where one vLLM worker sits, in vLLM's own terms."""
+
+    tp: int = 1
+    """``--tensor-parallel-size``."""
+    tp_rank: int = 0
+    """This worker's tensor-parallel rank."""
+    dp: int = 1
+    """``--data-parallel-size``: replicas; MoE layers flatten tp across them."""
+    dp_rank: int = 0
+    """This worker's data-parallel rank."""
+    enable_expert_parallel: bool = False
+    """``--enable-expert-parallel``: experts spread whole over all ``tp * dp`` workers."""
+    expert_placement: str = "linear"
+    """``expert_placement_strategy``: ``"linear"`` or ``"round_robin"``."""
+    vocab_pad: int = 64
+    """Vocabulary padding of ``VocabParallelEmbedding`` / ``ParallelLMHead`` (vLLM's 64)."""
+
+    def __post_init__(self) -> None:
+        for size, rank in (("tp", "tp_rank"), ("dp", "dp_rank")):
+            n, r = getattr(self, size), getattr(self, rank)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{size}={n!r} must be an int >= 1")
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < n:
+                raise ValueError(f"{rank}={r!r} must be in [0, {size}={n})")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ValueError(
+                f"expert_placement={self.expert_placement!r} is not one of {EXPERT_PLACEMENTS}"
+            )
+        if not isinstance(self.vocab_pad, int) or self.vocab_pad < 1:
+            raise ValueError(f"vocab_pad={self.vocab_pad!r} must be a positive int (vLLM: 64)")
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index among the ``tp * dp`` workers of one vLLM server."""
+        return self.dp_rank * self.tp + self.tp_rank
+
+    def moe(self) -> dict[str, int]:
+        """``engine_layout`` arguments for the experts (vLLM's ``FusedMoEParallelConfig``)."""
+        flat, flat_rank = self.tp * self.dp, self.worker_index
+        if self.enable_expert_parallel and flat > 1:
+            return {"ep": flat, "ep_rank": flat_rank, "moe_tp": 1, "moe_tp_rank": 0}
+        return {"ep": 1, "ep_rank": 0, "moe_tp": flat, "moe_tp_rank": flat_rank}
+
+    def layout(
+        self, model: ModelSpec, participant: Participant, *, dtype: str | None = None
+    ) -> Layout:
+        return vllm_layout(model, participant, self, dtype=dtype)
+
+    def checks(self) -> dict[str, Any]:
+        """What :func:`bind` compares with the engine layers' attributes."""
+        return {
+            "tp": self.tp,
+            "tp_rank": self.tp_rank,
+            "placement": self.expert_placement,
+            "vocab_pad": self.vocab_pad,
+            **self.moe(),
+        }
+
+
+def vllm_layout(
+    model: ModelSpec, participant: Participant, parallel: VLLMParallel, *, dtype: str | None = None
+) -> Layout:
+    """The layout of one vLLM worker: fused parameters named as vLLM names them."""
+    moe = parallel.moe() if model.num_experts else {}
+    return engine_layout(
+        model,
+        participant,
+        tp=parallel.tp,
+        tp_rank=parallel.tp_rank,
+        vocab_pad=parallel.vocab_pad,
+        dtype=dtype,
+        expert_placement=parallel.expert_placement,
+        **moe,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# binding a live engine model
+# ---------------------------------------------------------------------------------------------
+
+
+def _refuse_quantized(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__ not in _UNQUANTIZED:
+            raise NotImplementedError(
+                f"module {name!r} is quantized ({type(method).__name__}): weightbus receives "
+                "unquantized models only until its FP8 codec exists (vLLM's FP8 layers "
+                "re-lay out and rescale their weights after loading, so bf16 bytes cannot be "
+                "written into them in place); serve the unquantized checkpoint"
+            )
+
+
+def _attr(module: nn.Module, name: str) -> Any:
+    value = getattr(module, name, None)
+    if value is None:
+        config = getattr(module, "moe_parallel_config", None)
+        value = getattr(config, name, None) if config is not None else None
+    return value
+
+
+def _check_module(who: str, key: str, module: nn.Module, expected: Mapping[str, Any]) -> None:
+    """Compare the engine layer's own attributes with what the layout assumed."""
+    for attr, want in expected.items():
+        got = _attr(module, attr)
+        if got is None:
+            continue  # this vLLM version does not keep the attribute
+        if isinstance(got, torch.Tensor):
+            got = got.tolist()
+        if got != want:
+            raise LayoutError(
+                f"{who}: the engine layer holding {key!r} ({type(module).__name__}) has "
+                f"{attr}={got!r}, the weightbus layout assumed {want!r}: the parallel settings "
+                "passed to weightbus do not match the engine's; build them from the engine's "
+                "own config (weightbus.engines.vllm.parallel_from_vllm)"
+            )
+
+
+def _expected_attrs(
+    spec: ModelSpec, key: str, local_shape: tuple[int, ...], parallel: Mapping[str, int]
+) -> dict[str, Any]:
+    """What the engine layer holding local tensor ``key`` must say about its sharding."""
+    tp, tp_rank = parallel["tp"], parallel["tp_rank"]
+    leaf = key.split(".")[-2] if "." in key else key
+    if key.endswith(".w13_weight") or key.endswith(".w2_weight"):
+        out: dict[str, Any] = {"local_num_experts": local_shape[0]}
+        if parallel.get("ep", 1) > 1:
+            ids = expert_ids(
+                spec.num_experts, parallel["ep"], parallel["ep_rank"], parallel["placement"]
+            )
+            mapping = [-1] * spec.num_experts
+            for slot, expert in enumerate(ids.tolist()):
+                mapping[expert] = slot
+            out["expert_map"] = mapping
+            out["ep_size"], out["ep_rank"] = parallel["ep"], parallel["ep_rank"]
+        out["tp_size"], out["tp_rank"] = parallel["moe_tp"], parallel["moe_tp_rank"]
+        return out
+    if leaf == "qkv_proj":
+        heads = kv_head_range(spec.num_kv_heads, tp, tp_rank)
+        replicas = max(1, tp // spec.num_kv_heads)
+        return {
+            "tp_size": tp,
+            "tp_rank": tp_rank,
+            "num_kv_heads": len(heads),
+            "num_kv_head_replicas": replicas,
+        }
+    if leaf in ("embed_tokens", "lm_head"):
+        return {"tp_size": tp, "padding_size": parallel["vocab_pad"]}
+    # replicated layers (routers, DeepSeek's fused_qkv_a_proj) keep the group's tp_size in some
+    # vLLM versions and 1 in others: nothing to check there
+    if leaf in ("gate_up_proj", "down_proj", "o_proj", "q_proj", "q_b_proj", "kv_b_proj"):
+        return {"tp_size": tp, "tp_rank": tp_rank}
+    return {}
+
+
+def bind(
+    model: nn.Module,
+    layout: Layout,
+    *,
+    spec: ModelSpec | None = None,
+    parallel: Mapping[str, int] | None = None,
+    prefix: str = "",
+    ignore: Iterable[str] = (),
+) -> BoundLayout:
+    """Tie ``layout`` to the live parameters of an engine model, by name.
+
+    Every local tensor of the layout must be a parameter of ``model`` (under ``prefix``) with
+    the same shape and dtype; every parameter of ``model`` must be in the layout (a parameter
+    no sync writes would keep its old values), except those matching a name in ``ignore``.
+    With ``spec`` and ``parallel`` (keys ``tp``, ``tp_rank``, ``ep``, ``ep_rank``, ``moe_tp``,
+    ``moe_tp_rank``, ``placement``, ``vocab_pad``) the engine layers' own attributes are checked
+    against the layout's assumptions too. Raises :class:`LayoutError` naming the tensor and
+    both sides' values, ``NotImplementedError`` for quantized models.
+    """
+    _refuse_quantized(model)
+    who = layout.name
+    params = {name: p for name, p in model.named_parameters()}
+    skip = set(ignore)
+    tensors: dict[str, torch.Tensor] = {}
+    for local in layout.locals:
+        name = prefix + local.key
+        param = params.get(name)
+        if param is None:
+            close = sorted(n for n in params if n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1])[:3]
+            raise LayoutError(
+                f"{who}: the engine model has no parameter {name!r} for local tensor "
+                f"{local.key!r}; parameters with that leaf name: {close}; pass prefix= if the "
+                "engine nests the language model"
+            )
+        data = param.data
+        if tuple(data.shape) != local.shape or dtype_name(data.dtype) != local.dtype:
+            raise LayoutError(
+                f"{who}: engine parameter {name!r} is {tuple(data.shape)} "
+                f"{dtype_name(data.dtype)}, the layout says {local.shape} {local.dtype}: the "
+                "parallel settings or the model config given to weightbus differ from the "
+                "engine's"
+            )
+        if not data.is_contiguous():
+            raise LayoutError(
+                f"{who}: engine parameter {name!r} is not contiguous (strides {data.stride()}); "
+                "weightbus writes fused parameters as laid out by their loaders"
+            )
+        if spec is not None and parallel is not None:
+            module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            _check_module(
+                who, name, module, _expected_attrs(spec, local.key, local.shape, parallel)
+            )
+        tensors[local.key] = data
+    held = {prefix + local.key for local in layout.locals}
+    left = sorted(n for n in params if n not in held and n not in skip)
+    if left:
+        raise LayoutError(
+            f"{who}: {len(left)} engine parameters are in no weightbus piece and would keep "
+            f"stale values after a sync, e.g. {left[:5]}; pass ignore=[...] for parameters "
+            "that are not weights of the checkpoint"
+        )
+    return BoundLayout(layout=layout, tensors=tensors)
+
+
+def refresh_derived(model: nn.Module) -> int:
+    """Recompute, in place, tensors the engine derived from weights after loading them.
+
+    DeepSeek's multi-latent attention keeps ``W_UK_T`` ``(heads, nope, kv_lora)`` and ``W_UV``
+    ``(heads, kv_lora, v)`` computed from ``kv_b_proj.weight`` ``(heads * (nope + v),
+    kv_lora)``. They are copied into the existing tensors (CUDA graphs captured them), not
+    replaced. Returns how many attention layers were refreshed.
+    """
+    count = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        for holder in (module, getattr(module, "impl", None)):
+            if holder is None or id(holder) in seen:
+                continue
+            if not all(hasattr(holder, a) for a in ("W_UV", "W_UK_T", "kv_b_proj")):
+                continue
+            seen.add(id(holder))
+            _refresh_mla(holder)
+            count += 1
+    return count
+
+
+def _refresh_mla(holder: Any) -> None:
+    weight = holder.kv_b_proj.weight
+    uv, uk_t = holder.W_UV, holder.W_UK_T
+    heads, kv_lora, v = uv.shape
+    nope = uk_t.shape[1]
+    if tuple(weight.shape) != (heads * (nope + v), kv_lora):
+        raise LayoutError(
+            f"MLA attention: kv_b_proj.weight is {tuple(weight.shape)}, W_UV {tuple(uv.shape)} "
+            f"and W_UK_T {tuple(uk_t.shape)} do not derive from it as (heads * (nope + v), "
+            "kv_lora); this vLLM version lays MLA out differently"
+        )
+    # kv_b_proj maps kv_lora -> heads * (nope + v); its transpose, split per head
+    per_head = weight.t().reshape(kv_lora, heads, nope + v).to(uv.dtype)
+    uk, uvv = per_head.split([nope, v], dim=-1)
+    uv.copy_(uvv.transpose(0, 1))
+    uk_t.copy_(uk.permute(1, 2, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# the inference side, independent of how vLLM calls it
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InitInfo:
+    """What each vLLM worker needs to join a weightbus job (JSON in ``/init_weight_transfer_engine``)."""
+
+    store_address: str
+    """``host:port`` of the weightbus control store (reachable from every worker)."""
+    num_writers: int
+    """Writers in the job."""
+    num_readers: int
+    """Readers in the job: every worker of every vLLM server (plus any other readers)."""
+    reader_rank_offset: int = 0
+    """Reader rank of this server's first worker; workers add their index (dp_rank * tp + tp_rank)."""
+    job: str = "default"
+    """Control-store key namespace, as the writers use it."""
+    bucket_bytes: int = 64 << 20
+    """SyncConfig.bucket_bytes; must equal the writers'."""
+    staging_buffers: int = 4
+    """SyncConfig.staging_buffers."""
+    direct_bytes: int = 4 << 20
+    """SyncConfig.direct_bytes; must equal the writers'."""
+    cast: dict[str, str] = field(default_factory=dict)
+    """SyncConfig.cast; must equal the writers'."""
+    ignore_unread: list[str] = field(default_factory=list)
+    """SyncConfig.ignore_unread; must equal the writers'."""
+    transport: str = "auto"
+    """SyncConfig.transport."""
+    sync_timeout_s: float = 300.0
+    """SyncConfig.sync_timeout in seconds."""
+    connect_timeout_s: float = 300.0
+    """SyncConfig.connect_timeout in seconds."""
+    step_timeout_s: float = 1800.0
+    """SyncConfig.step_timeout in seconds."""
+
+    def __post_init__(self) -> None:
+        if self.reader_rank_offset < 0 or self.reader_rank_offset >= self.num_readers:
+            raise ValueError(
+                f"reader_rank_offset={self.reader_rank_offset} must be in "
+                f"[0, num_readers={self.num_readers})"
+            )
+
+    @classmethod
+    def from_configs(
+        cls, control: ControlConfig, sync: SyncConfig, *, reader_rank_offset: int = 0
+    ) -> InitInfo:
+        """The init info matching a writer's configuration."""
+        return cls(
+            store_address=control.address,
+            num_writers=control.num_writers,
+            num_readers=control.num_readers,
+            reader_rank_offset=reader_rank_offset,
+            job=control.job,
+            bucket_bytes=sync.bucket_bytes,
+            staging_buffers=sync.staging_buffers,
+            direct_bytes=sync.direct_bytes,
+            cast=dict(sync.cast),
+            ignore_unread=list(sync.ignore_unread),
+            transport=sync.transport,
+            sync_timeout_s=sync.sync_timeout.total_seconds(),
+            connect_timeout_s=sync.connect_timeout.total_seconds(),
+            step_timeout_s=sync.step_timeout.total_seconds(),
+        )
+
+    def configs(self) -> tuple[ControlConfig, SyncConfig]:
+        control = ControlConfig(
+            num_writers=self.num_writers,
+            num_readers=self.num_readers,
+            address=self.store_address,
+            host_store=False,
+            job=self.job,
+            timeout=timedelta(seconds=self.connect_timeout_s),
+        )
+        sync = SyncConfig(
+            bucket_bytes=self.bucket_bytes,
+            staging_buffers=self.staging_buffers,
+            cast=dict(self.cast),
+            ignore_unread=tuple(self.ignore_unread),
+            direct_bytes=self.direct_bytes,
+            transport=self.transport,
+            sync_timeout=timedelta(seconds=self.sync_timeout_s),
+            connect_timeout=timedelta(seconds=self.connect_timeout_s),
+            step_timeout=timedelta(seconds=self.step_timeout_s),
+        )
+        return control, sync
+
+
+@dataclass
+class UpdateInfo:
+    """One update (JSON in ``/update_weights``): the version the writers are sending."""
+
+    version: int
+
+
+class Receiver:
+    """One engine worker as a weightbus reader: bind, connect, receive, refresh, close.
+
+    ``model`` is the worker's live model, ``spec`` its canonical tensors, ``parallel`` where
+    the worker sits (a :class:`VLLMParallel`, or SGLang's equivalent: anything with
+    ``worker_index``, ``layout(spec, participant, dtype=)`` and ``checks()``). ``engine``
+    prefixes the reader's name. Used by the native backend, :class:`WorkerExtension` and
+    SGLang's custom loader.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        parallel: Any,
+        device: torch.device | str,
+        *,
+        engine: str = "vllm",
+        prefix: str = "",
+        ignore: Iterable[str] = (),
+    ) -> None:
+        self.model, self.spec, self.parallel, self.engine = model, spec, parallel, engine
+        self.device = torch.device(device)
+        self.prefix, self.ignore = prefix, tuple(ignore)
+        self.reader: Reader | None = None
+        self.last: SyncResult | None = None
+
+    def connect(self, info: InitInfo) -> None:
+        """Join the job; returns once every participant connected and agreed on the plan."""
+        if self.reader is not None:
+            raise WeightbusError(f"{self.reader.name}: already connected; shutdown first")
+        rank = info.reader_rank_offset + self.parallel.worker_index
+        if rank >= info.num_readers:
+            raise ValueError(
+                f"reader rank {rank} (offset {info.reader_rank_offset} + worker "
+                f"{self.parallel.worker_index}) is not below num_readers={info.num_readers}: "
+                "count every worker of every server in num_readers"
+            )
+        participant = Participant(
+            role="reader",
+            rank=rank,
+            name=f"{self.engine}-{rank}",
+            host=socket.gethostname(),
+            device=str(self.device),
+        )
+        embed = dict(self.model.named_parameters()).get(self.prefix + "model.embed_tokens.weight")
+        dtype = None if embed is None else dtype_name(embed.dtype)
+        layout = self.parallel.layout(self.spec, participant, dtype=dtype)
+        bound = bind(
+            self.model,
+            layout,
+            spec=self.spec,
+            parallel=self.parallel.checks(),
+            prefix=self.prefix,
+            ignore=self.ignore,
+        )
+        control, sync = info.configs()
+        reader = Reader(bound, control, sync)
+        reader.connect()
+        self.reader = reader
+        self.step_timeout = sync.step_timeout
+
+    def receive(self, version: int) -> SyncResult:
+        """Receive version ``version`` in place; returns once it is committed."""
+        if self.reader is None:
+            raise WeightbusError(
+                "weightbus receiver is not connected: call init_weight_transfer_engine first"
+            )
+        result = self.reader.wait(self.step_timeout)
+        if result.version != int(version):
+            raise WeightbusError(
+                f"{self.reader.name}: the trainer announced version {version} to the engine "
+                f"but its writers sent {result.version}; drive every sync through "
+                "VLLMWeightSync.sync so both agree"
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last = result
+        return result
+
+    def finish(self) -> None:
+        """Refresh tensors the engine derived from the weights (DeepSeek's MLA)."""
+        with torch.no_grad():
+            refresh_derived(self.model)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def parallel_from_vllm(vllm_config: Any) -> VLLMParallel:
+    """This worker's :class:`VLLMParallel`, read from vLLM's config and process groups."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    pc = vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) != 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_size={pc.pipeline_parallel_size}: weightbus' vLLM backend "
+            "supports tensor, data and expert parallel engines only"
+        )
+    dp = int(getattr(pc, "data_parallel_size", 1) or 1)
+    dp_rank = getattr(pc, "data_parallel_rank", None)
+    if dp_rank is None:
+        dp_rank = getattr(pc, "data_parallel_index", 0)
+    return VLLMParallel(
+        tp=int(pc.tensor_parallel_size),
+        tp_rank=int(get_tensor_model_parallel_rank()),
+        dp=dp,
+        dp_rank=int(dp_rank or 0) if dp > 1 else 0,
+        enable_expert_parallel=bool(getattr(pc, "enable_expert_parallel", False)),
+        expert_placement=str(getattr(pc, "expert_placement_strategy", "linear") or "linear"),
+    )
+
+
+def spec_from_vllm(vllm_config: Any) -> ModelSpec:
+    """The served model's canonical tensors, from vLLM's Hugging Face config."""
+    hf = vllm_config.model_config.hf_config
+    return model_spec(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's native weight-transfer API
+# ---------------------------------------------------------------------------------------------
+
+
+class _Backend:
+    """The weightbus weight-transfer backend; :func:`register` mixes it into vLLM's
+    ``WeightTransferEngine`` (see the module docstring for the lifecycle)."""
+
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any = None, model: Any = None):
+        if model is None:
+            raise NotImplementedError(
+                "this vLLM gives weight-transfer backends no model (the API before v0.25): "
+                "use worker_extension_cls='weightbus.engines.vllm.WorkerExtension' instead"
+            )
+        self.config, self.vllm_config = config, vllm_config
+        self.device, self.model = device, model
+        self.receiver: Receiver | None = None
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
+        try:
+            return InitInfo(**init_dict)
+        except TypeError as e:
+            raise ValueError(f"invalid weightbus init_info {sorted(init_dict)}: {e}") from e
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        try:
+            return UpdateInfo(**update_dict)
+        except TypeError as e:
+            raise ValueError(f"invalid weightbus update_info {sorted(update_dict)}: {e}") from e
+
+    def _make_receiver(self) -> Receiver:
+        return Receiver(
+            self.model,
+            spec_from_vllm(self.vllm_config),
+            parallel_from_vllm(self.vllm_config),
+            self.device if self.device is not None else "cuda",
+        )
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        receiver = self._make_receiver()
+        receiver.connect(init_info)
+        self.receiver = receiver
+
+    def start_weight_update(self) -> None:
+        # writes are in place: nothing to prepare
+        if self.receiver is None:
+            raise WeightbusError(
+                "weightbus: start_weight_update before init_weight_transfer_engine"
+            )
+
+    def receive_weights(self, update_info: UpdateInfo, *_: Any) -> None:
+        if self.receiver is None:
+            raise WeightbusError("weightbus: update_weights before init_weight_transfer_engine")
+        self.receiver.receive(update_info.version)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def finish_weight_update(self) -> None:
+        if self.receiver is not None:
+            self.receiver.finish()
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    def set_weight_update_target(self, model: Any, model_config: Any) -> None:
+        raise NotImplementedError("weightbus does not update speculative draft models")
+
+    def reset_weight_update_target(self) -> None:
+        pass
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        raise NotImplementedError(
+            "weightbus sends from every trainer rank through weightbus.Writer: use "
+            "weightbus.engines.vllm.VLLMWeightSync on the trainer"
+        )
+
+
+_ENGINE_CLASS: type | None = None
+
+
+def engine_class() -> type:
+    """The backend as a subclass of vLLM's ``WeightTransferEngine`` (needs vLLM)."""
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is None:
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+        _ENGINE_CLASS = type(
+            "WeightbusTransferEngine",
+            (_Backend, WeightTransferEngine),
+            {"__module__": __name__, "__doc__": _Backend.__doc__},
+        )
+    return _ENGINE_CLASS
+
+
+def register() -> None:
+    """vLLM plugin entry point: register the ``"weightbus"`` backend (safe to call repeatedly).
+
+    Does nothing, with a debug log, on vLLM versions without ``WeightTransferEngineFactory``.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        logger.debug("vLLM has no WeightTransferEngineFactory; weightbus backend not registered")
+        return
+    if BACKEND in getattr(WeightTransferEngineFactory, "_registry", {}):
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, engine_class())
+    except ValueError:
+        pass  # registered by another import of this plugin meanwhile
+
+
+# ---------------------------------------------------------------------------------------------
+# older vLLM: worker extension + collective_rpc
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker by ``worker_extension_cls``; called through ``collective_rpc``.
+
+    ``llm.collective_rpc("weightbus_init", args=(init_info_dict,))``, then per sync
+    ``weightbus_receive(version)`` and ``weightbus_finish()``; ``weightbus_close()`` at the end.
+    """
+
+    def weightbus_init(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank  # noqa: F401  (vLLM check)
+
+        info = InitInfo(**init_info)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        receiver = Receiver(
+            model,
+            spec_from_vllm(self.vllm_config),  # type: ignore[attr-defined]
+            parallel_from_vllm(self.vllm_config),  # type: ignore[attr-defined]
+            getattr(self, "device", "cuda"),
+        )
+        receiver.connect(info)
+        self._weightbus = receiver
+
+    def weightbus_receive(self, version: int) -> int:
+        return self._weightbus_receiver().receive(version).version
+
+    def weightbus_finish(self) -> None:
+        self._weightbus_receiver().finish()
+
+    def weightbus_close(self) -> None:
+        receiver = getattr(self, "_weightbus", None)
+        if receiver is not None:
+            receiver.close()
+            self._weightbus = None
+
+    def _weightbus_receiver(self) -> Receiver:
+        receiver = getattr(self, "_weightbus", None)
+        if receiver is None:
+            raise WeightbusError("weightbus: call collective_rpc('weightbus_init', ...) first")
+        return receiver
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer side
+# ---------------------------------------------------------------------------------------------
+
+
+class VLLMServer:
+    """vLLM's RLHF HTTP routes (JSON only), for one server (all its data-parallel replicas).
+
+    ``timeout`` bounds every request; ``update`` and ``init`` block until the workers have
+    received, so they get ``long_timeout``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: timedelta = timedelta(seconds=60),
+        long_timeout: timedelta = timedelta(minutes=35),
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout, self.long_timeout = timeout, long_timeout
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        long: bool = False,
+    ) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )
+        limit = (self.long_timeout if long else self.timeout).total_seconds()
+        try:
+            with urllib.request.urlopen(request, timeout=limit) as response:
+                text = response.read().decode() or "{}"
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise WeightbusError(
+                f"vLLM server {self.url}: {method} {path} answered {e.code}: {detail}"
+                + (
+                    " (the RLHF routes need VLLM_SERVER_DEV_MODE=1 on the server)"
+                    if e.code == 404
+                    else ""
+                )
+            ) from e
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            raise WeightbusError(
+                f"vLLM server {self.url}: {method} {path} failed after at most {limit:.0f} s: {e}"
+            ) from e
+        return json.loads(text)
+
+    def world_size(self, include_dp: bool = True) -> int:
+        query = "true" if include_dp else "false"
+        return int(self._call("GET", f"/get_world_size?include_dp={query}")["world_size"])
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info}, long=True)
+
+    def pause(self, mode: str = "wait") -> None:
+        self._call("POST", f"/pause?mode={mode}")
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def start(self) -> None:
+        self._call("POST", "/start_weight_update")
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self._call("POST", "/update_weights", {"update_info": update_info}, long=True)
+
+    def finish(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self._call("POST", "/finish_weight_update", body)
+
+
+class CollectiveRPC:
+    """The same calls as :class:`VLLMServer` for an in-process ``vllm.LLM`` built with
+    ``worker_extension_cls="weightbus.engines.vllm.WorkerExtension"`` (older vLLM)."""
+
+    def __init__(self, llm: Any, *, world_size: int) -> None:
+        self.llm, self._world_size = llm, world_size
+
+    def world_size(self, include_dp: bool = True) -> int:
+        return self._world_size
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("weightbus_init", args=(init_info,))
+
+    def pause(self, mode: str = "wait") -> None:
+        pass  # an in-process LLM generates only when called
+
+    def resume(self) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("weightbus_receive", args=(int(update_info["version"]),))
+
+    def finish(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("weightbus_finish")
+
+
+class VLLMWeightSync:
+    """A trainer rank's side of syncing into vLLM servers: weightbus' Writer plus, on writer
+    rank 0, the vLLM routes that make every worker receive.
+
+    >>> sync = VLLMWeightSync(bound, control, SyncConfig(cast={"float32": "bfloat16"}),
+    ...                       servers=["http://infer0:8000"])   # servers on writer 0 only
+    >>> sync.connect()
+    >>> for step in range(steps):
+    ...     train_step()
+    ...     sync.sync(step)
+
+    Every writer rank constructs one (with ``servers`` only on rank 0) and calls
+    :meth:`connect` and :meth:`sync` together. ``control.num_readers`` must count every worker
+    of every server; ``pause_mode`` (``"wait"``, ``"abort"``, ``"keep"`` or None for no pause)
+    is how the servers treat in-flight requests while weights change.
+    """
+
+    def __init__(
+        self,
+        bound: BoundLayout,
+        control: ControlConfig,
+        sync: SyncConfig | None = None,
+        *,
+        servers: Sequence[str | VLLMServer | CollectiveRPC] = (),
+        pause_mode: str | None = "wait",
+    ) -> None:
+        self.sync_config = sync or SyncConfig()
+        self.control = control
+        self.writer = Writer(bound, control, self.sync_config)
+        self.servers = [VLLMServer(s) if isinstance(s, str) else s for s in servers]
+        if self.servers and bound.layout.rank != 0:
+            raise ValueError(
+                f"writer rank {bound.layout.rank} was given servers: only writer rank 0 drives "
+                "the vLLM routes; pass servers=() on the other ranks"
+            )
+        if pause_mode not in (None, "wait", "abort", "keep"):
+            raise ValueError(f"pause_mode={pause_mode!r}: use 'wait', 'abort', 'keep' or None")
+        self.pause_mode = pause_mode
+
+    def _both(self, call: Callable[[Any], None], local: Callable[[], Any]) -> Any:
+        """Run ``call(server)`` for every server on threads while ``local()`` runs here."""
+        if not self.servers:
+            return local()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.servers))
+        futures = [pool.submit(call, s) for s in self.servers]
+        try:
+            out = local()
+            for f in futures:
+                f.result()
+        except BaseException:
+            # the workers may still be blocked on their side; do not wait for them here
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        return out
+
+    def connect(self) -> None:
+        """Connect the writer and, from rank 0, every server's workers (they connect together)."""
+        offsets, total = [], 0
+        for server in self.servers:
+            offsets.append(total)
+            total += server.world_size(include_dp=True)
+        if self.servers and total > self.control.num_readers:
+            raise ValueError(
+                f"the servers have {total} workers but control.num_readers="
+                f"{self.control.num_readers}: count every worker (tp * dp of each server)"
+            )
+        infos = {
+            id(s): asdict(
+                InitInfo.from_configs(self.control, self.sync_config, reader_rank_offset=o)
+            )
+            for s, o in zip(self.servers, offsets, strict=True)
+        }
+        self._both(lambda s: s.init(infos[id(s)]), self.writer.connect)
+
+    def sync(self, version: int) -> SyncResult:
+        """Send ``version``; returns once every reader has it and the servers finished the update."""
+        version = int(version)
+        if self.pause_mode is not None:
+            for s in self.servers:
+                s.pause(self.pause_mode)
+        try:
+            for s in self.servers:
+                s.start()
+            result = self._both(
+                lambda s: s.update(asdict(UpdateInfo(version=version))),
+                lambda: self.writer.sync(version),
+            )
+            for s in self.servers:
+                s.finish(str(version))
+        finally:
+            if self.pause_mode is not None:
+                for s in self.servers:
+                    s.resume()
+        return result
+
+    def close(self) -> None:
+        self.writer.close()
