@@ -8,19 +8,17 @@ No staging buffer and no packing on either side, and no per-bucket handshake:
    source region with its own destination region (its live engine tensor);
 2. each sync, the writer records its event once its tensors hold the new version
    (:meth:`begin`, before the readers are told). A reader's :meth:`pull` makes its streams wait
-   for that event and queues one ``copy_`` per route, from the writer's tensor into its own:
-   contiguous regions of one dtype go through the copy engines (``cudaMemcpyAsync``, GPU to GPU
-   over NVLink, or device-to-device on the same GPU for a colocated trainer and engine);
-   strided regions and casts run torch's copy kernel;
-   strided regions of one dtype (rows of contiguous bytes at a constant pitch, such as a
-   tensor-parallel column shard of a row shard) are one 2-D memcpy each, queued through the
-   CUDA runtime at a few microseconds apiece; casts and other strides run torch's copy kernel;
+   for that event and queues each route's copy from the writer's tensor into its own. A region
+   of one dtype whose bytes are rows at a constant pitch on both sides (contiguous, or e.g. a
+   tensor-parallel column shard of an FSDP row shard) is one ``cudaMemcpyAsync`` /
+   ``cudaMemcpy2DAsync``, queued through the CUDA runtime at a few microseconds apiece and run
+   by the reader GPU's copy engines (GPU to GPU over NVLink, or device-to-device on the same
+   GPU for a colocated trainer and engine). Casts and other strides run torch's ``copy_``;
 3. the writer leaves its tensors untouched until every reader acknowledged the version, which
    readers do only once their copies ran.
 
 A pull is done once its copies are queued, in the order of the reader's current stream: work
-the caller queues on that stream afterwards (and ``synchronize``) sees the bytes. Copies from
-different writers run on streams of their own, so a reader pulls from all of them at once.
+the caller queues on that stream afterwards (and ``synchronize``) sees the bytes.
 
 Fan-out relays. When a writer sends several readers identical buckets (engine replicas: the
 same regions, in the same order), only the first reader pulls the bucket from the writer; each
@@ -30,9 +28,12 @@ bucket once its copy is queued, and posts one control message per sync after que
 the downstream reader's copies wait for those events on the GPU, so the chain is pipelined
 bucket by bucket with no per-bucket message.
 
-Where the copies run: torch runs a cross-GPU copy on the *source* GPU's stream (of the reader
-process), so strided copies and casts from another GPU borrow the writer GPU's SMs for their
-kernels; contiguous ones use its copy engines only.
+Where the copies run: memcpys on the reader's own GPU, so each GPU runs work of its own
+process only. torch runs a cross-GPU ``copy_`` (the fallback) on the source GPU's stream,
+borrowing the writer GPU's SMs for its kernel.
+
+Order: a reader pulls from one source at a time, each reader starting at another one (see
+``_expose_reader``); buckets of one source are queued in the order the reader posts them.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ class _Source:
         self.name = name
         self.device = device
         self.event: torch.cuda.Event | None = None  # a writer's "tensors are final" event
-        # ``stream``: on the source's GPU (torch runs cross-GPU copies there, and so do the
-        # memcpy jobs); ``side``: on the reader's GPU, so that sources do not queue behind
-        # each other through the reader's current stream
+        # ``side``: on the reader's GPU, where the memcpy jobs run, so that sources do not
+        # queue behind each other through the reader's current stream; ``stream``: on the
+        # source's GPU, where torch runs a cross-GPU ``copy_`` (casts, odd strides)
         self.stream = torch.cuda.Stream(device)
         self.side = self.stream if device == reader_device else torch.cuda.Stream(reader_device)
 
@@ -169,6 +170,12 @@ class CudaIpcTransport(Transport):
         self._pulled = 0
         self._waited: set[str] = set()
         self._relays_out = False  # whether some reader pulls buckets from this one
+        self._order: list[_Source] = []  # the sources, in the order this reader pulls them
+        self._stage_of: dict[str, int] = {}
+        self._counts: list[int] = []  # buckets per source, in that order
+        self._stage = 0  # the source being queued now
+        self._left: list[int] = []
+        self._deferred: list[list[tuple[_Bucket, Handle]]] = []
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -313,6 +320,19 @@ class CudaIpcTransport(Transport):
                 f"cuda_ipc: {me.name!r} expects {len(ops)} buckets no writer shared, e.g. "
                 f"bucket {tag} from {roster.all[peer].name!r} ({op.nbytes} bytes)"
             )
+        # Pull from one source at a time, each reader starting at another one: on these GPUs a
+        # copy engine feeding two GPUs at once, or a GPU fed by two, halves every stream's
+        # bandwidth (2 x 2 transfers between 4 H200s measured ~400 GB/s in all, two disjoint
+        # links ~790), so readers of one writer group take turns instead of sharing.
+        names = sorted({b.source.name for b in self._buckets.values()}, key=roster.global_rank)
+        k = me.rank % len(names) if names else 0
+        self._order = [sources[n][0] for n in names[k:] + names[:k]]
+        self._stage_of = {src.name: i for i, src in enumerate(self._order)}
+        self._counts = [0] * len(self._order)
+        for b in self._buckets.values():
+            self._counts[self._stage_of[b.source.name]] += 1
+        self._left = list(self._counts)
+        self._deferred = [[] for _ in self._order]
         control.post(self._topic + "/opened", {})
         relayed = sum(b.ready is not None for b in self._buckets.values())
         logger.info(
@@ -373,13 +393,45 @@ class CudaIpcTransport(Transport):
             self._event.record(torch.cuda.current_stream(self._device))
 
     def _pull(self, handle: Handle) -> None:
-        assert self.roster is not None and self._device is not None and self.control is not None
+        assert self.roster is not None
         b = self._buckets.get((self.roster.global_rank(handle.peer.name), handle.tag))
         if b is None:
             raise WeightbusError(
                 f"cuda_ipc: {handle.peer.name!r} shared no bucket {handle.tag} for this reader"
             )
         handle.nbytes = b.nbytes
+        # One source at a time, in this reader's rotated order (see _expose_reader): buckets
+        # of a later source wait here until every bucket of the one before is queued.
+        stage = self._stage_of[b.source.name]
+        if stage != self._stage:
+            self._deferred[stage].append((b, handle))
+            return
+        self._issue(b, handle)
+        while self._stage + 1 < len(self._order) and self._left[self._stage] == 0:
+            done = self._order[self._stage]
+            self._stage += 1
+            nxt = self._order[self._stage]
+            # the next source's copies start on the GPU once the previous source's are done
+            for a in {done.stream, done.side}:
+                event = a.record_event()
+                for z in {nxt.stream, nxt.side}:
+                    z.wait_event(event)
+            for b2, h2 in self._deferred[self._stage]:
+                self._issue(b2, h2)
+            self._deferred[self._stage].clear()
+        if self._pulled == len(self._buckets):  # every bucket of this sync is queued
+            if self._relays_out:
+                assert self.control is not None
+                self.control.post(f"{self._topic}/relayed/{self._sync}", {})
+            self._sync += 1
+            self._pulled = 0
+            self._waited.clear()
+            self._stage = 0
+            self._left = [n for n in self._counts]
+
+    def _issue(self, b: _Bucket, handle: Handle) -> None:
+        """Queue one bucket's copies; its handle is done once they are in stream order."""
+        assert self._device is not None and self.control is not None
         src = b.source
         main = torch.cuda.current_stream(self._device)
         if src.name not in self._waited:
@@ -387,7 +439,8 @@ class CudaIpcTransport(Transport):
             # reader's per-bucket events below, once it has recorded them all), and this
             # reader's earlier work on its own tensors (the engine reading them) is done
             if src.event is not None:
-                src.stream.wait_event(src.event)
+                for z in {src.stream, src.side}:
+                    z.wait_event(src.event)
             else:
                 self.control.gather(
                     f"{self._topic}/relayed/{self._sync}", names=[src.name], timeout=self.timeout
@@ -397,16 +450,17 @@ class CudaIpcTransport(Transport):
                 src.side.wait_stream(main)
             self._waited.add(src.name)
         if b.ready is not None:
-            src.stream.wait_event(b.ready)
-            if b.pairs and src.side is not src.stream:
-                src.side.wait_event(b.ready)
+            for z in {src.stream, src.side}:
+                z.wait_event(b.ready)
         if b.jobs:
+            # memcpys run on this reader's own GPU (its copy engines pull): a GPU then runs
+            # work of one process only, the one that owns it
             assert self._cudart is not None
-            stream = src.stream.cuda_stream
-            with torch.cuda.device(src.device):
+            stream = src.side.cuda_stream
+            with torch.cuda.device(self._device):
                 for job in b.jobs:
                     self._cudart.copy(job, stream)
-            main.wait_stream(src.stream)
+            main.wait_stream(src.side)
         if b.pairs:
             # torch runs a cross-GPU copy on the source GPU's current stream, fenced both ways
             # with the destination GPU's current stream
@@ -416,13 +470,8 @@ class CudaIpcTransport(Transport):
             main.wait_stream(src.side)
         if b.relayed is not None:
             b.relayed.record(main)  # the bucket is in our tensors once this fires
+        self._left[self._stage_of[src.name]] -= 1
         self._pulled += 1
-        if self._pulled == len(self._buckets):  # every bucket of this sync is queued
-            if self._relays_out:
-                self.control.post(f"{self._topic}/relayed/{self._sync}", {})
-            self._sync += 1
-            self._pulled = 0
-            self._waited.clear()
         self._completed(handle)
 
     def _send(self, handle: Handle, buf: torch.Tensor) -> None:
