@@ -412,10 +412,9 @@ class CudaIpcTransport(Transport):
             self._stage += 1
             nxt = self._order[self._stage]
             # the next source's copies start on the GPU once the previous source's are done
-            for a in {done.stream, done.side}:
-                event = a.record_event()
-                for z in {nxt.stream, nxt.side}:
-                    z.wait_event(event)
+            for a in dict.fromkeys((done.stream, done.side)):
+                for z in dict.fromkeys((nxt.stream, nxt.side)):
+                    z.wait_stream(a)
             for b2, h2 in self._deferred[self._stage]:
                 self._issue(b2, h2)
             self._deferred[self._stage].clear()
@@ -439,8 +438,11 @@ class CudaIpcTransport(Transport):
             # reader's per-bucket events below, once it has recorded them all), and this
             # reader's earlier work on its own tensors (the engine reading them) is done
             if src.event is not None:
-                for z in {src.stream, src.side}:
-                    z.wait_event(src.event)
+                # an interprocess event is waited on its own GPU's stream (a wait from a stream
+                # of another GPU crashed the process on H200s), then handed on
+                src.stream.wait_event(src.event)
+                if src.side is not src.stream:
+                    src.side.wait_stream(src.stream)
             else:
                 self.control.gather(
                     f"{self._topic}/relayed/{self._sync}", names=[src.name], timeout=self.timeout
@@ -450,8 +452,9 @@ class CudaIpcTransport(Transport):
                 src.side.wait_stream(main)
             self._waited.add(src.name)
         if b.ready is not None:
-            for z in {src.stream, src.side}:
-                z.wait_event(b.ready)
+            src.stream.wait_event(b.ready)
+            if src.side is not src.stream:
+                src.side.wait_stream(src.stream)
         if b.jobs:
             # memcpys run on this reader's own GPU (its copy engines pull): a GPU then runs
             # work of one process only, the one that owns it
