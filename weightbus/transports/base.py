@@ -26,8 +26,8 @@ Lifecycle, identical for every transport::
                         h = t.send(peer, buf, tag)   /   h = t.recv(peer, buf, tag)
                         or, when ``t.pulls``: writers post nothing and h = t.pull(peer, tag)
                         on readers copies bucket ``tag`` from writer ``peer``'s tensors straight
-                        into the reader's tensors, done in the order of the reader's current
-                        CUDA stream (work queued on it afterwards sees the bytes).
+                        into the reader's tensors; once the sync's last bucket is pulled, the
+                        reader's current CUDA stream waits for every copy.
                         Post and return at once; many may be in flight, to many peers. A send
                         matches the recv posted on the peer with the same tag. Per peer and
                         direction, handles complete in posting order, so both sides post in the

@@ -12,25 +12,26 @@ No staging buffer and no packing on either side, and no per-bucket handshake:
    of one dtype whose bytes are rows at a constant pitch on both sides (contiguous, or e.g. a
    tensor-parallel column shard of an FSDP row shard) is one ``cudaMemcpyAsync`` /
    ``cudaMemcpy2DAsync``, queued through the CUDA runtime at a few microseconds apiece and run
-   by the reader GPU's copy engines (GPU to GPU over NVLink, or device-to-device on the same
-   GPU for a colocated trainer and engine). Casts and other strides run torch's ``copy_``;
+   by the copy engines (GPU to GPU over NVLink, or device-to-device on the same GPU for a
+   colocated trainer and engine). Casts and other strides run torch's ``copy_``;
 3. the writer leaves its tensors untouched until every reader acknowledged the version, which
    readers do only once their copies ran.
 
-A pull is done once its copies are queued, in the order of the reader's current stream: work
-the caller queues on that stream afterwards (and ``synchronize``) sees the bytes.
+A pull is done once its copies are queued; once the sync's last bucket is, the reader's
+current stream is made to wait for all of them, so work the caller queues on that stream
+afterwards (and ``synchronize``) sees the bytes.
 
 Fan-out relays. When a writer sends several readers identical buckets (engine replicas: the
 same regions, in the same order), only the first reader pulls the bucket from the writer; each
 next one pulls it from the reader before it, so every GPU sends each byte once and the writer's
-links are not shared three ways. The upstream reader records an interprocess event per relayed
-bucket once its copy is queued, and posts one control message per sync after queuing them all;
-the downstream reader's copies wait for those events on the GPU, so the chain is pipelined
-bucket by bucket with no per-bucket message.
+links are not shared three ways. The upstream reader records an interprocess event after each
+~1 GiB of relayed buckets, and posts one control message per sync after queuing them all; the
+downstream reader's copies wait for those events on the GPU, so the chain is pipelined with no
+per-bucket message.
 
-Where the copies run: memcpys on the reader's own GPU, so each GPU runs work of its own
-process only. torch runs a cross-GPU ``copy_`` (the fallback) on the source GPU's stream,
-borrowing the writer GPU's SMs for its kernel.
+Where the copies run: on streams of the source's GPU (its copy engines push), created by the
+reader process. torch runs a cross-GPU ``copy_`` (the fallback) there too, borrowing the
+source GPU's SMs for its kernel.
 
 Order: a reader pulls from one source at a time, each reader starting at another one (see
 ``_expose_reader``); buckets of one source are queued in the order the reader posts them.
@@ -80,20 +81,22 @@ def _open(desc: list) -> torch.UntypedStorage:
 
 
 _Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, width, rows)
+_RELAY_CHUNK_BYTES = 1 << 30
 
 
 class _Source:
     """A process whose GPU memory this reader pulls from: a writer, or an upstream reader."""
 
-    __slots__ = ("device", "event", "name", "side", "stream")
+    __slots__ = ("device", "event", "last_ready", "name", "side", "stream")
 
     def __init__(self, name: str, device: torch.device, reader_device: torch.device) -> None:
         self.name = name
         self.device = device
         self.event: torch.cuda.Event | None = None  # a writer's "tensors are final" event
-        # ``side``: on the reader's GPU, where the memcpy jobs run, so that sources do not
-        # queue behind each other through the reader's current stream; ``stream``: on the
-        # source's GPU, where torch runs a cross-GPU ``copy_`` (casts, odd strides)
+        self.last_ready: torch.cuda.Event | None = None  # the upstream event waited last
+        # ``stream``: on the source's GPU, where the memcpy jobs run (its copy engines push:
+        # measured a little faster than pulling) and torch runs a cross-GPU ``copy_``;
+        # ``side``: on the reader's GPU, which torch fences such a ``copy_`` with
         self.stream = torch.cuda.Stream(device)
         self.side = self.stream if device == reader_device else torch.cuda.Stream(reader_device)
 
@@ -264,17 +267,44 @@ class CudaIpcTransport(Transport):
         mine = roster.global_rank(me.name)
         ops = {(op.peer_global, op.bucket): op for op in program.ops}
         upstream = _relays(writers, roster)
-        # buckets a later reader pulls from this one: an event each, and our regions shared
-        downstream = sorted({up[1]: up[2] for up in upstream.values() if up[0] == mine}.items())
-        out_ops = [ops[(writer, tag)] for tag, writer in downstream]
-        events = []
-        for _ in out_ops:
-            events.append(torch.cuda.Event(interprocess=True))
-            events[-1].record(torch.cuda.current_stream(self._device))
+
+        def source_of(op) -> str:
+            up = upstream.get((mine, op.bucket))
+            return roster.all[op.peer_global if up is None else up[0]].name
+
+        # Pull from one source at a time, each reader starting at another one: on these GPUs a
+        # copy engine feeding two GPUs at once, or a GPU fed by two, halves every stream's
+        # bandwidth (2 x 2 transfers between 4 H200s measured ~400 GB/s in all, two disjoint
+        # links ~790), so readers of one writer group take turns instead of sharing.
+        names = sorted({source_of(op) for op in program.ops}, key=roster.global_rank)
+        k = me.rank % len(names) if names else 0
+        names = names[k:] + names[:k]
+        stage = {n: i for i, n in enumerate(names)}
+        issue_order = sorted(program.ops, key=lambda op: stage[source_of(op)])
+        # buckets a later reader pulls from this one: our regions shared, and an event per
+        # ~1 GiB of them in issue order (each wait on another process's event costs the
+        # waiting stream a pause, so per-bucket events would throttle the relay)
+        relayed_out = {up[1] for up in upstream.values() if up[0] == mine}
+        out_ops = [op for op in issue_order if op.bucket in relayed_out]
+        events, covers, run = [], [], 0
+        for i, op in enumerate(out_ops):
+            run += op.nbytes
+            covers.append(len(events))
+            if run >= _RELAY_CHUNK_BYTES or i == len(out_ops) - 1:
+                events.append(torch.cuda.Event(interprocess=True))
+                events[-1].record(torch.cuda.current_stream(self._device))
+                run = 0
+        relay_events = {
+            (op.peer_global, op.bucket): events[covers[i]]
+            for i, op in enumerate(out_ops)
+            if i == len(out_ops) - 1 or covers[i + 1] != covers[i]
+        }
         self._relays_out = bool(out_ops)
-        control.post(self._topic + "/relay", self._share_table(program, out_ops, events=events))
+        table = self._share_table(program, out_ops, events=events)
+        table["covers"] = covers
+        control.post(self._topic + "/relay", table)
         relays = control.gather(self._topic + "/relay", role="reader")
-        relay_events = dict(zip(((w, t) for t, w in downstream), events, strict=True))
+        opened_events: dict[tuple[str, int], torch.cuda.Event] = {}
         sources: dict[str, tuple[_Source, dict, dict]] = {}
 
         def source(name: str, t: dict) -> tuple[_Source, dict, dict]:
@@ -311,7 +341,12 @@ class CudaIpcTransport(Transport):
                     at = [i for i, bk in enumerate(ut["buckets"]) if bk[1] == up[1]]
                     assert len(at) == 1, (uname, up)
                     b = self._bucket(src, op, program, ut, ut["buckets"][at[0]][3], storages, bases)
-                    b.ready = torch.cuda.Event.from_ipc_handle(src.device, ut["events"][at[0]])
+                    e = ut["covers"][at[0]]
+                    if (uname, e) not in opened_events:
+                        opened_events[(uname, e)] = torch.cuda.Event.from_ipc_handle(
+                            src.device, ut["events"][e]
+                        )
+                    b.ready = opened_events[(uname, e)]
                 b.relayed = relay_events.get((writer, tag))
                 self._buckets[(writer, tag)] = b
         if ops:
@@ -320,13 +355,7 @@ class CudaIpcTransport(Transport):
                 f"cuda_ipc: {me.name!r} expects {len(ops)} buckets no writer shared, e.g. "
                 f"bucket {tag} from {roster.all[peer].name!r} ({op.nbytes} bytes)"
             )
-        # Pull from one source at a time, each reader starting at another one: on these GPUs a
-        # copy engine feeding two GPUs at once, or a GPU fed by two, halves every stream's
-        # bandwidth (2 x 2 transfers between 4 H200s measured ~400 GB/s in all, two disjoint
-        # links ~790), so readers of one writer group take turns instead of sharing.
-        names = sorted({b.source.name for b in self._buckets.values()}, key=roster.global_rank)
-        k = me.rank % len(names) if names else 0
-        self._order = [sources[n][0] for n in names[k:] + names[:k]]
+        self._order = [sources[n][0] for n in names]
         self._stage_of = {src.name: i for i, src in enumerate(self._order)}
         self._counts = [0] * len(self._order)
         for b in self._buckets.values():
@@ -419,30 +448,33 @@ class CudaIpcTransport(Transport):
                 self._issue(b2, h2)
             self._deferred[self._stage].clear()
         if self._pulled == len(self._buckets):  # every bucket of this sync is queued
+            main = torch.cuda.current_stream(self._device)
+            for src in self._order:
+                for z in dict.fromkeys((src.stream, src.side)):
+                    main.wait_stream(z)
             if self._relays_out:
                 assert self.control is not None
                 self.control.post(f"{self._topic}/relayed/{self._sync}", {})
             self._sync += 1
             self._pulled = 0
             self._waited.clear()
+            for src in self._order:
+                src.last_ready = None
             self._stage = 0
             self._left = [n for n in self._counts]
 
     def _issue(self, b: _Bucket, handle: Handle) -> None:
-        """Queue one bucket's copies; its handle is done once they are in stream order."""
+        """Queue one bucket's copies. The reader's current stream waits for them all once the
+        sync's last bucket is queued (see :meth:`_pull`)."""
         assert self._device is not None and self.control is not None
         src = b.source
-        main = torch.cuda.current_stream(self._device)
         if src.name not in self._waited:
             # once per sync and source: its tensors are final (a writer's event; an upstream
-            # reader's per-bucket events below, once it has recorded them all), and this
-            # reader's earlier work on its own tensors (the engine reading them) is done
+            # reader's events below, once it has recorded them all), and this reader's earlier
+            # work on its own tensors (the engine reading them) is done
+            main = torch.cuda.current_stream(self._device)
             if src.event is not None:
-                # an interprocess event is waited on its own GPU's stream (a wait from a stream
-                # of another GPU crashed the process on H200s), then handed on
                 src.stream.wait_event(src.event)
-                if src.side is not src.stream:
-                    src.side.wait_stream(src.stream)
             else:
                 self.control.gather(
                     f"{self._topic}/relayed/{self._sync}", names=[src.name], timeout=self.timeout
@@ -450,29 +482,33 @@ class CudaIpcTransport(Transport):
             src.stream.wait_stream(main)
             if src.side is not src.stream:
                 src.side.wait_stream(main)
-            self._waited.add(src.name)
-        if b.ready is not None:
-            src.stream.wait_event(b.ready)
-            if src.side is not src.stream:
                 src.side.wait_stream(src.stream)
+            self._waited.add(src.name)
+        if b.ready is not None and b.ready is not src.last_ready:
+            # an interprocess event is waited on a stream of its own GPU (a wait from a stream
+            # of another GPU crashed the process on H200s), then handed on
+            src.stream.wait_event(b.ready)
+            if b.pairs and src.side is not src.stream:
+                src.side.wait_stream(src.stream)
+            src.last_ready = b.ready
         if b.jobs:
-            # memcpys run on this reader's own GPU (its copy engines pull): a GPU then runs
-            # work of one process only, the one that owns it
             assert self._cudart is not None
-            stream = src.side.cuda_stream
-            with torch.cuda.device(self._device):
+            stream = src.stream.cuda_stream
+            with torch.cuda.device(src.device):
                 for job in b.jobs:
                     self._cudart.copy(job, stream)
-            main.wait_stream(src.side)
         if b.pairs:
             # torch runs a cross-GPU copy on the source GPU's current stream, fenced both ways
             # with the destination GPU's current stream
             with torch.no_grad(), torch.cuda.stream(src.side), torch.cuda.stream(src.stream):
                 for dst, region, wire in b.pairs:
                     dst.copy_(region if wire is None else region.to(wire), non_blocking=True)
-            main.wait_stream(src.side)
         if b.relayed is not None:
-            b.relayed.record(main)  # the bucket is in our tensors once this fires
+            # the buckets relayed so far are in our tensors once this fires
+            main = torch.cuda.current_stream(self._device)
+            for z in dict.fromkeys((src.stream, src.side)):
+                main.wait_stream(z)
+            b.relayed.record(main)
         self._left[self._stage_of[src.name]] -= 1
         self._pulled += 1
         self._completed(handle)
