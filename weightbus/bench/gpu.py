@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_means": meaning,
             "bit_exact": exact,
             "transport": res[("writer-0", 0)]["transport"],
+            "reader_median_s": [
+                round(statistics.median(res[(f"reader-{r}", r)]["times"]), 5) for r in range(n_r)
+            ],
             "writer_phases_last": {
                 k: round(v, 4) for k, v in res[("writer-0", 0)]["phases"].items()
             },
