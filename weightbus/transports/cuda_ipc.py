@@ -25,9 +25,9 @@ Fan-out relays. When a writer sends several readers identical buckets (engine re
 same regions, in the same order), only the first reader pulls the bucket from the writer; each
 next one pulls it from the reader before it, so every GPU sends each byte once and the writer's
 links are not shared three ways. The upstream reader records an interprocess event after each
-~1 GiB of relayed buckets, and posts one control message per sync after queuing them all; the
-downstream reader's copies wait for those events on the GPU, so the chain is pipelined with no
-per-bucket message.
+chunk of relayed buckets (1/32 of them) and posts a control message saying so; the downstream
+reader's copies wait for those events on the GPU, so the chain is pipelined, one chunk behind
+per hop, with no per-bucket message.
 
 Where the copies run: on streams of the source's GPU (its copy engines push), created by the
 reader process. torch runs a cross-GPU ``copy_`` (the fallback) there too, borrowing the
@@ -81,7 +81,7 @@ def _open(desc: list) -> torch.UntypedStorage:
 
 
 _Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, width, rows)
-_RELAY_CHUNK_BYTES = 1 << 30
+_RELAY_CHUNKS = 32  # relay events per sync and hop (fewer with a small topic window)
 
 
 class _Source:
@@ -105,7 +105,7 @@ class _Bucket:
     """One bucket as this reader pulls it: memcpy jobs, and (dst, src, wire dtype) pairs left
     to ``Tensor.copy_`` (casts, odd strides)."""
 
-    __slots__ = ("jobs", "nbytes", "pairs", "ready", "relayed", "source")
+    __slots__ = ("jobs", "nbytes", "pairs", "ready", "ready_index", "relayed", "source")
 
     def __init__(self, source: _Source, nbytes: int) -> None:
         self.source = source
@@ -113,7 +113,9 @@ class _Bucket:
         self.jobs: list[_Job] = []
         self.pairs: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
         self.ready: torch.cuda.Event | None = None  # upstream reader's event for this bucket
-        self.relayed: torch.cuda.Event | None = None  # ours, when a reader pulls it from us
+        self.ready_index = -1  # which of the upstream's events that is
+        # ours to record after this bucket, (event, index), when it ends a relayed chunk
+        self.relayed: tuple[torch.cuda.Event, int] | None = None
 
 
 def _bucket_rows(ops) -> tuple[list[str], list[list]]:
@@ -172,7 +174,6 @@ class CudaIpcTransport(Transport):
         self._sync = 0
         self._pulled = 0
         self._waited: set[str] = set()
-        self._relays_out = False  # whether some reader pulls buckets from this one
         self._order: list[_Source] = []  # the sources, in the order this reader pulls them
         self._stage_of: dict[str, int] = {}
         self._counts: list[int] = []  # buckets per source, in that order
@@ -281,25 +282,27 @@ class CudaIpcTransport(Transport):
         names = names[k:] + names[:k]
         stage = {n: i for i, n in enumerate(names)}
         issue_order = sorted(program.ops, key=lambda op: stage[source_of(op)])
-        # buckets a later reader pulls from this one: our regions shared, and an event per
-        # ~1 GiB of them in issue order (each wait on another process's event costs the
-        # waiting stream a pause, so per-bucket events would throttle the relay)
+        # buckets a later reader pulls from this one: our regions shared, and an event (and a
+        # control message) per chunk of them in issue order: each wait on another process's
+        # event pauses the waiting stream, so per-bucket events would throttle the relay,
+        # and one chunk is the lag of each hop
         relayed_out = {up[1] for up in upstream.values() if up[0] == mine}
         out_ops = [op for op in issue_order if op.bucket in relayed_out]
+        chunks = max(1, min(_RELAY_CHUNKS, control.config.topic_window // 4))
+        chunk = max(sum(op.nbytes for op in out_ops) // chunks, 1)
         events, covers, run = [], [], 0
         for i, op in enumerate(out_ops):
             run += op.nbytes
             covers.append(len(events))
-            if run >= _RELAY_CHUNK_BYTES or i == len(out_ops) - 1:
+            if run >= chunk or i == len(out_ops) - 1:
                 events.append(torch.cuda.Event(interprocess=True))
                 events[-1].record(torch.cuda.current_stream(self._device))
                 run = 0
         relay_events = {
-            (op.peer_global, op.bucket): events[covers[i]]
+            (op.peer_global, op.bucket): (events[covers[i]], covers[i])
             for i, op in enumerate(out_ops)
             if i == len(out_ops) - 1 or covers[i + 1] != covers[i]
         }
-        self._relays_out = bool(out_ops)
         table = self._share_table(program, out_ops, events=events)
         table["covers"] = covers
         control.post(self._topic + "/relay", table)
@@ -346,7 +349,7 @@ class CudaIpcTransport(Transport):
                         opened_events[(uname, e)] = torch.cuda.Event.from_ipc_handle(
                             src.device, ut["events"][e]
                         )
-                    b.ready = opened_events[(uname, e)]
+                    b.ready, b.ready_index = opened_events[(uname, e)], e
                 b.relayed = relay_events.get((writer, tag))
                 self._buckets[(writer, tag)] = b
         if ops:
@@ -452,9 +455,6 @@ class CudaIpcTransport(Transport):
             for src in self._order:
                 for z in dict.fromkeys((src.stream, src.side)):
                     main.wait_stream(z)
-            if self._relays_out:
-                assert self.control is not None
-                self.control.post(f"{self._topic}/relayed/{self._sync}", {})
             self._sync += 1
             self._pulled = 0
             self._waited.clear()
@@ -475,16 +475,18 @@ class CudaIpcTransport(Transport):
             main = torch.cuda.current_stream(self._device)
             if src.event is not None:
                 src.stream.wait_event(src.event)
-            else:
-                self.control.gather(
-                    f"{self._topic}/relayed/{self._sync}", names=[src.name], timeout=self.timeout
-                )
             src.stream.wait_stream(main)
             if src.side is not src.stream:
                 src.side.wait_stream(main)
                 src.side.wait_stream(src.stream)
             self._waited.add(src.name)
         if b.ready is not None and b.ready is not src.last_ready:
+            # the upstream reader has recorded this chunk's event in this sync
+            self.control.gather(
+                f"{self._topic}/relayed/{self._sync}/{b.ready_index}",
+                names=[src.name],
+                timeout=self.timeout,
+            )
             # an interprocess event is waited on a stream of its own GPU (a wait from a stream
             # of another GPU crashed the process on H200s), then handed on
             src.stream.wait_event(b.ready)
@@ -508,7 +510,9 @@ class CudaIpcTransport(Transport):
             main = torch.cuda.current_stream(self._device)
             for z in dict.fromkeys((src.stream, src.side)):
                 main.wait_stream(z)
-            b.relayed.record(main)
+            event, index = b.relayed
+            event.record(main)
+            self.control.post(f"{self._topic}/relayed/{self._sync}/{index}", {})
         self._left[self._stage_of[src.name]] -= 1
         self._pulled += 1
         self._completed(handle)
