@@ -86,6 +86,7 @@ _JOB_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _MAX_ERROR_CHARS = 8000
 _POLL_FIRST_S = 0.0001  # in-sync answers come within a millisecond or two; long waits back off
 _POLL_LAST_S = 0.05
+_POLLS_PER_S_X_S = 800  # store requests per second from all pollers, times seconds waited
 _CLOSED_CHECK_S = 0.25
 _REPORT_CHECK_S = 0.01
 
@@ -174,10 +175,12 @@ class ControlConfig:
 
     @property
     def host(self) -> str:
+        """Host part of :attr:`address`."""
         return _split_addr(self.address)[0]
 
     @property
     def port(self) -> int:
+        """Port part of :attr:`address`."""
         return _split_addr(self.address)[1]
 
 
@@ -190,7 +193,9 @@ class Roster:
     """
 
     writers: tuple[Participant, ...]
+    """Writers by rank."""
     readers: tuple[Participant, ...]
+    """Readers by rank."""
 
     @classmethod
     def of(cls, participants: Iterable[Participant]) -> Roster:
@@ -208,10 +213,12 @@ class Roster:
 
     @property
     def all(self) -> tuple[Participant, ...]:
+        """Writers, then readers: the global rank order."""
         return self.writers + self.readers
 
     @property
     def size(self) -> int:
+        """Number of participants."""
         return len(self.writers) + len(self.readers)
 
     def names(self, role: str | None = None) -> list[str]:
@@ -265,16 +272,19 @@ def _decode(data: bytes) -> bytes | dict:
 
 
 class _Backoff:
-    """Sleeps for polling, a twentieth of the time waited so far (0.1 ms to 50 ms): an answer
-    is seen at most ~5% late, and long waits cost the store few requests. (A blocking
-    ``store.wait`` with a timeout would leave the client's connection out of step.)"""
+    """Sleeps for polling that grow with the time waited so far (0.1 ms to 50 ms), in
+    proportion to the job's size: with every participant polling, the store sees about
+    ``_POLLS_PER_S_X_S / waited`` requests per second whatever the size, and in a small job an
+    answer is seen ~1% of the wait late. (A blocking ``store.wait`` with a timeout would leave
+    the client's connection out of step.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, participants: int) -> None:
         self.start = time.monotonic()
+        self.share = max(participants, 8) / _POLLS_PER_S_X_S
 
     def sleep(self, until: float) -> None:
         now = time.monotonic()
-        delay = min(max((now - self.start) / 20, _POLL_FIRST_S), _POLL_LAST_S)
+        delay = min(max((now - self.start) * self.share, _POLL_FIRST_S), _POLL_LAST_S)
         time.sleep(max(0.0, min(delay, until - now)))
 
 
@@ -297,12 +307,15 @@ class ControlPlane:
         if not isinstance(config, ControlConfig):
             raise TypeError(f"config must be a ControlConfig, got {type(config).__name__}")
         self.participant = participant
+        """This participant."""
         self.config = config
+        """Its control configuration."""
         self.hosting = (
             config.host_store
             if config.host_store is not None
             else (participant.role == "writer" and participant.rank == 0)
         )
+        """Whether this process hosts the store (``host_store``, else writer rank 0)."""
         self._ns = f"weightbus/{config.job}/"
         self._store: dist.TCPStore | None = None
         self._address = config.address
@@ -540,7 +553,7 @@ class ControlPlane:
         slots += [("reader", r) for r in range(cfg.num_readers)]
         keys = [self._key("member", role, rank) for role, rank in slots]
         deadline, seconds = self._deadline(timeout)
-        backoff = _Backoff()
+        backoff = _Backoff(self.config.num_writers + self.config.num_readers)
         while not self._call(store.check, keys):
             self._raise_if_reported()
             if time.monotonic() >= deadline:
@@ -655,7 +668,7 @@ class ControlPlane:
         targets = self._targets(role, names)
         keys = [self._key("t", n, topic) for n in targets]
         deadline, seconds = self._deadline(timeout)
-        backoff = _Backoff()
+        backoff = _Backoff(self.config.num_writers + self.config.num_readers)
         next_closed_check = time.monotonic() + _CLOSED_CHECK_S
         while not self._call(store.check, keys):
             self.raise_if_failed()
@@ -947,7 +960,7 @@ class ControlPlane:
         names = [n for n in names if n != self.participant.name]
         deadline, seconds = self._deadline(timeout)
         limit = cfg.heartbeat_timeout.total_seconds()
-        backoff = _Backoff()
+        backoff = _Backoff(self.config.num_writers + self.config.num_readers)
         last: dict[str, tuple[int, float]] = {}
         while names:
             now = time.monotonic()
