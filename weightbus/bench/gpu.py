@@ -473,14 +473,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     del server
-    # the commit measured: git's answer where this is a checkout, else $WEIGHTBUS_COMMIT
+    # the commit measured: $WEIGHTBUS_COMMIT when set (a copy of the tree may sit inside an
+    # unrelated or stale checkout), else git's answer
     commit = os.environ.get("WEIGHTBUS_COMMIT", "")
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        if git.returncode == 0 and len(git.stdout.strip()) == 40:
-            commit = git.stdout.strip()
-    except OSError:
-        pass
+    if not commit:
+        try:
+            git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+            if git.returncode == 0 and len(git.stdout.strip()) == 40:
+                commit = git.stdout.strip()
+        except OSError:
+            pass
     date = dt.date.today().isoformat()
     kind = a.kind or f"{n_gpu}x{name.split()[-1].lower()}"
     result = {
