@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -11,13 +12,23 @@ from datetime import timedelta
 import torch
 
 from weightbus import metrics as _metrics
+from weightbus.codecs.delta import DeltaConfig
+from weightbus.codecs.fp8 import Fp8Config
 from weightbus.control import status as _status
 from weightbus.control.store import ControlConfig, ControlPlane
-from weightbus.errors import PeerFailure, SyncTimeout, WeightbusError
+from weightbus.errors import PeerFailure, PlanMismatch, SyncTimeout, WeightbusError
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
+from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, wire_layout
 from weightbus.plan.program import BucketOp
-from weightbus.spec import BoundLayout, LayoutError
-from weightbus.transports.base import Program, Transport, select_transport
+from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
+from weightbus.transports.base import (
+    TRANSPORT_ENV,
+    Program,
+    Transport,
+    available_transports,
+    select_transport,
+    transport_class,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +61,22 @@ class SyncConfig:
     """Longest connect may wait for the other participants."""
     step_timeout: timedelta = timedelta(minutes=30)
     """Longest a reader waits for the next sync to begin (a training step and its rollouts)."""
+    fp8: Fp8Config | None = None
+    """FP8 block quantization on the wire (:class:`weightbus.codecs.Fp8Config`); readers then
+    bind FP8 engine parameters and their scales (``quantized_layout``). Equal on every side."""
+    delta: DeltaConfig | None = None
+    """Sparse, bit-exact deltas against the previous sync (:class:`weightbus.codecs.DeltaConfig`);
+    every participant must enable it."""
 
     def __post_init__(self) -> None:
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise TypeError(
+                f"fp8={self.fp8!r} must be a weightbus.codecs.Fp8Config or None (no FP8)"
+            )
+        if self.delta is not None and not isinstance(self.delta, DeltaConfig):
+            raise TypeError(
+                f"delta={self.delta!r} must be a weightbus.codecs.DeltaConfig or None (no deltas)"
+            )
         if self.staging_buffers < 1:
             raise ValueError(f"staging_buffers={self.staging_buffers} must be at least 1")
         if self.bucket_bytes < 1 * MiB:
@@ -63,6 +88,7 @@ class SyncConfig:
         object.__setattr__(self, "ignore_unread", tuple(self.ignore_unread))
 
     def plan_options(self) -> PlanOptions:
+        """The planner's options from this config's plan-related fields."""
         return PlanOptions(
             bucket_bytes=self.bucket_bytes,
             cast=dict(self.cast),
@@ -70,13 +96,19 @@ class SyncConfig:
             direct_bytes=self.direct_bytes,
         )
 
+    def codecs(self) -> CodecConfig:
+        """The codecs on the wire from this config's ``fp8`` and ``delta``."""
+        return CodecConfig(fp8=self.fp8, delta=self.delta)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncResult:
     """One sync as seen by one participant."""
 
     participant: str
+    """Name of the participant this result is from."""
     version: int
+    """The version synced."""
     bytes: int
     """Bytes this participant sent (writer) or received (reader)."""
     seconds: float
@@ -86,9 +118,11 @@ class SyncResult:
 
     @property
     def gbps(self) -> float:
+        """``bytes / seconds`` in GB/s (0 when no time passed)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def line(self) -> str:
+        """One line for logs: bytes, milliseconds, GB/s and each phase."""
         ph = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.phases.items())
         return (
             f"{self.participant} v{self.version}: {self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms "
@@ -119,6 +153,8 @@ class _Session:
         self.direct: list[torch.Tensor | None] = []
         """Per op: the live bytes it moves in place (one contiguous region), or None (staged)."""
         self.transport: Transport | None = None
+        self.codec = None
+        """The codecs' state (WriterCodec / ReaderCodec), or None when none applies here."""
         self._staging: list[torch.Tensor] = []
         self._device = torch.device("cpu")
         self._seq = 0
@@ -141,27 +177,35 @@ class _Session:
         """
         try:
             self.control.connect()
+            codecs = self.config.codecs()
+            self._agree_codecs(codecs)
             writers, readers = self.control.exchange_layouts(
-                self.bound.layout, timeout=self.config.connect_timeout
+                self._wire_layout(codecs), timeout=self.config.connect_timeout
             )
             t_plan = time.perf_counter()
+            check_codec_layouts(writers, readers)
             plan = make_plan(writers, readers, self.config.plan_options())
             self.plan_seconds = time.perf_counter() - t_plan
             self.control.agree("plan", plan.digest, timeout=self.config.connect_timeout)
             index = self.bound.layout.rank
-            self.ops = build_program(plan, self.role, index)
+            self.codec = self._make_codec(plan, codecs) if codecs.active else None
+            self.ops = self.codec.ops if self.codec else build_program(plan, self.role, index)
             # the transport's own per-operation bound must not cut a sync short: a writer's
             # sends wait for readers that may still be finishing their rollouts
             cfg = self.config
-            self.transport = select_transport(
+            self.transport = _select_transport(
                 cfg.transport,
                 plan,
                 self.bound.layout.participant,
+                codecs,
                 timeout=max(cfg.sync_timeout, cfg.step_timeout),
             )
             self.transport.connect(self.control, plan.participants)
             device = self._device = _device_of(self.bound)
-            self.direct = [_direct_buffer(op, self.bound.tensors) for op in self.ops]
+            if self.codec is not None:
+                self.direct = [self.codec.direct(op) for op in self.ops]
+            else:
+                self.direct = [_direct_buffer(op, self.bound.tensors) for op in self.ops]
             pulls = self.transport.pulls  # readers copy straight from the writers' tensors
             self._live_ptrs = {
                 c.key: self.bound.tensors[c.key].data_ptr()
@@ -170,7 +214,7 @@ class _Session:
                 for c in op.copies
             }
             staged = [
-                op.nbytes
+                self.codec.capacity(op) if self.codec else op.nbytes
                 for op, d in zip(self.ops, self.direct, strict=True)
                 if d is None and not pulls
             ]
@@ -180,7 +224,8 @@ class _Session:
                 torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
             ]
             self.transport.register(self._staging)
-            self.transport.expose(Program(self.ops, self.bound.tensors, tuple(self.direct)))
+            tensors = self.codec.tensors if self.codec else self.bound.tensors
+            self.transport.expose(Program(self.ops, tensors, tuple(self.direct)))
             self.bytes_per_sync = sum(op.nbytes for op in self.ops)
             self.plan = plan
         except BaseException as exc:
@@ -189,7 +234,7 @@ class _Session:
             raise
         logger.info(
             "%s connected: %d buckets (%d in place), %.1f MB per sync on this %s; plan %s (%s); "
-            "transport %s",
+            "transport %s; codecs %s",
             self.name,
             len(self.ops),
             sum(d is not None for d in self.direct),
@@ -198,10 +243,52 @@ class _Session:
             plan.digest[:12],
             plan.stats.summary(),
             self.transport.name,
+            codecs.summary(),
         )
         _status.publish(self)
         _metrics.on_connect(self)
         return plan
+
+    def _make_codec(self, plan: TransferPlan, codecs: CodecConfig):
+        """This side's codec state for ``plan``, or None when this side needs none."""
+        raise NotImplementedError
+
+    def _agree_codecs(self, codecs: CodecConfig) -> None:
+        """Every participant must put the same codecs on the wire: one that quantizes to FP8
+        or sends deltas while another does not fails here, naming both sides."""
+        try:
+            self.control.agree("codecs", codecs.digest(), timeout=self.config.connect_timeout)
+        except PlanMismatch as exc:
+            parts = [
+                f"{', '.join(names)} use {_codec_words(digest)}"
+                for digest, names in sorted(exc.groups.items(), key=lambda kv: -len(kv[1]))
+            ]
+            same = len({d.split(":")[0] for d in exc.groups}) == 1
+            raise PlanMismatch(
+                "participants disagree on the codecs on the wire: "
+                + "; ".join(parts)
+                + (" (the same codecs with other settings)" if same else "")
+                + ". Pass equal SyncConfig.fp8 (Fp8Config, its ignore list included) and "
+                "SyncConfig.delta to every writer and reader",
+                exc.groups,
+            ) from None
+
+    def _wire_layout(self, codecs: CodecConfig) -> Layout:
+        """The layout to declare: with FP8, a writer's quantized weights and scale grids (its
+        live tensors stay as they are); a reader must have bound FP8 tensors already."""
+        layout = self.bound.layout
+        wire = wire_layout(layout, codecs)
+        if self.role == "reader" and wire is not layout:
+            assert codecs.fp8 is not None
+            t = next(t for t in layout.tensors if codecs.fp8.quantizes(t))
+            raise LayoutError(
+                f"reader {self.name!r}: FP8 is on (SyncConfig.fp8), but this reader's layout "
+                f"holds {t.name} as {t.dtype}: readers receive into FP8 engine parameters and "
+                "their scales; bind weightbus.codecs.quantized_layout(layout, fp8) with "
+                "float8_e4m3fn tensors and '<key>_scale_inv' float32 scale tensors, or list "
+                "the tensor in Fp8Config.ignore on every participant"
+            )
+        return wire
 
     def _sync_failed(self, exc: BaseException, version: int) -> BaseException:
         """Report a failed sync; a timeout is restated against the whole sync's bound."""
@@ -306,6 +393,51 @@ class _Deadline:
     def left(self) -> timedelta:
         # never zero: a wait given nothing would fail before checking once
         return timedelta(seconds=max(self.end - time.monotonic(), 0.001))
+
+
+def _codec_words(digest: str) -> str:
+    """``"fp8+delta:1a2b..."`` -> ``"FP8 and deltas (fp8+delta:1a2b...)"``, for messages."""
+    summary = digest.split(":")[0]
+    fp8 = "FP8" if summary.startswith("fp8") else "no FP8"
+    delta = "deltas" if summary.endswith("+delta") else "no deltas"
+    return f"{fp8} and {delta} ({digest})"
+
+
+def _select_transport(
+    name: str,
+    plan: TransferPlan,
+    participant: Participant,
+    codecs: CodecConfig,
+    **config,
+) -> Transport:
+    """The job's transport; with codecs, one whose writers send what they encoded.
+
+    A pulling transport (CUDA IPC) has readers copy straight out of the writers' tensors, so
+    no writer ever encodes: with codecs the automatic choice skips such transports, and one
+    asked for by name is refused rather than moving uncoded bytes. The choice depends only on
+    the participants and the agreed codecs, so every process makes the same one.
+    """
+    if codecs.active and name in ("auto", None) and not os.environ.get(TRANSPORT_ENV):
+        people = plan.participants
+        fits = [
+            n
+            for n in available_transports()
+            if not transport_class(n).pulls
+            and transport_class(n).priority >= 0
+            and transport_class(n).unsupported(people) is None
+        ]
+        if fits:
+            name = fits[0]
+    transport = select_transport(name, plan, participant, **config)
+    if codecs.active and transport.pulls:
+        why = transport_class("nccl").unsupported(plan.participants) or "it was not chosen"
+        raise ValueError(
+            f"codecs {codecs.summary()} need a transport whose writers encode and send each "
+            f"bucket, but {transport.name!r} pulls straight from the writers' tensors (no "
+            f"writer encodes): use transport 'nccl' or 'gloo' (nccl here: {why}), or turn "
+            "SyncConfig.fp8 / delta off for this job"
+        )
+    return transport
 
 
 def _direct_buffer(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

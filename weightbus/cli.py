@@ -1,4 +1,4 @@
-"""The ``weightbus`` command: ``demo``, ``plan``, ``bench``.
+"""The ``weightbus`` command: ``demo``, ``plan``, ``bench``, ``status``.
 
 Run ``weightbus --help``, or ``weightbus <command> --help``.
 """
@@ -22,6 +22,12 @@ def _plan(argv: list[str]) -> int:
     return plan_cli.main(argv)
 
 
+def _status(argv: list[str]) -> int:
+    from weightbus.control import status
+
+    return status.main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from weightbus.bench import cli as bench_cli
 
@@ -37,6 +43,10 @@ COMMANDS = {
     "bench": (
         _bench,
         "measure syncs against the hardware's ceilings (`bench plan` for planner scale)",
+    ),
+    "status": (
+        _status,
+        "live view of a running job from its control store: participants, versions, last sync",
     ),
 }
 

@@ -30,6 +30,7 @@ class PeerFailure(WeightbusError):
     def __init__(self, message: str, failures: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.failures: list[tuple[str, str]] = list(failures or [])
+        """``(participant name, what happened)``, first reported first."""
 
 
 class SyncTimeout(WeightbusError, TimeoutError):
@@ -38,6 +39,7 @@ class SyncTimeout(WeightbusError, TimeoutError):
     def __init__(self, message: str, missing: list[str] | None = None) -> None:
         super().__init__(message)
         self.missing: list[str] = list(missing or [])
+        """Participants (or slots) still missing when the wait gave up."""
 
 
 class PlanMismatch(WeightbusError):
@@ -46,6 +48,7 @@ class PlanMismatch(WeightbusError):
     def __init__(self, message: str, groups: dict[str, list[str]] | None = None) -> None:
         super().__init__(message)
         self.groups: dict[str, list[str]] = dict(groups or {})
+        """Each digest -> the participants holding it."""
 
 
 class MembershipError(WeightbusError, ValueError):

@@ -27,7 +27,7 @@ HOST:PORT --metrics-port N` runs one):
 | `weightbus_job_registered_participants` | job | participants registered |
 | `weightbus_job_failed_participants` | job | participants that reported a failure |
 | `weightbus_job_participant_version` | job, participant, role | version each one holds |
-| `weightbus_job_version_lag` | job, participant | per reader: versions behind the newest one the writers announced or finished |
+| `weightbus_job_version_lag` | job, participant | per reader: versions behind the newest announced |
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
+from weightbus.codecs.delta import directory_bytes, encoded_size
 from weightbus.errors import SyncTimeout, WeightbusError
-from weightbus.plan.program import unpack
+from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
+from weightbus.plan.program import BucketOp, unpack
+from weightbus.transports.base import Handle
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +34,45 @@ class Reader(_Session):
     """
 
     role = "reader"
+    """This side's role."""
 
     def __init__(
         self, *args, on_version: Callable[[SyncResult], None] | None = None, **kwargs
     ) -> None:
         super().__init__(*args, **kwargs)
         self.on_version = on_version
+        """Called with each committed sync's :class:`~weightbus.SyncResult` (e.g. to refresh
+        engine caches)."""
+        self._told = -1  # the sync sequence number whose holds/ this reader posted last
+        self._checksum = False
+
+    def _make_codec(self, plan, codecs: CodecConfig) -> ReaderCodec | None:
+        # FP8 bytes land in the engine's FP8 tensors like any others: only deltas need decoding
+        if codecs.delta is None:
+            return None
+        return ReaderCodec(plan, self.bound.layout.rank, self.bound.tensors, codecs)
+
+    def request_dense(self) -> None:
+        """Deltas: this reader's tensors no longer hold the last version it received (the
+        engine reloaded or discarded its weights, e.g. vLLM's sleep level 2): the next sync
+        sends it every byte. Call it before :meth:`wait`. Without deltas every sync is dense."""
+        self._before_wait("request_dense")
+        if self.codec is not None:
+            self.codec.version = None
+
+    def request_checksum(self) -> None:
+        """Deltas: every bucket of the next sync carries a checksum this reader verifies
+        against its live tensors. Call it before :meth:`wait`."""
+        self._before_wait("request_checksum")
+        self._checksum = True
+
+    def _before_wait(self, what: str) -> None:
+        if self.codec is not None and self._told == self._seq:
+            raise WeightbusError(
+                f"{self.name}: {what}() after a wait() that timed out: the writers were already "
+                "told what this reader holds for the next sync; call it before waiting, or "
+                "after the next sync"
+            )
 
     def wait(self, timeout: timedelta | None = None) -> SyncResult:
         """Receive the next sync; return once it is committed (every reader has it).
@@ -51,6 +87,12 @@ class Reader(_Session):
         seq = self._seq
         phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
         try:
+            if self.codec is not None and self._told != seq:
+                # deltas: the writers send dense to a reader that does not hold their last
+                # version (None: it never synced, missed a version or lost its weights)
+                held = self.codec.version
+                control.post(f"holds/{seq}", {"holds": held, "checksum": self._checksum})
+                self._told = seq
             begins = control.gather(
                 f"begin/{seq}",
                 role="writer",
@@ -80,7 +122,9 @@ class Reader(_Session):
             direct: list = []  # handles of in-place receives
             free = deque(self._staging)
             tensors = self.bound.tensors
-            ops = () if transport.pulls else self.ops
+            if self.codec is not None:
+                total = self._receive_coded(version, deadline, phases)
+            ops = () if transport.pulls or self.codec is not None else self.ops
             if transport.pulls:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.ops]
@@ -114,6 +158,9 @@ class Reader(_Session):
                 f"commit/{seq}", names=[self.plan.writers[0].name], timeout=deadline.left()
             )
             phases["control"] += time.perf_counter() - t
+            if self.codec is not None:
+                self.codec.end(version)
+                self._checksum = False
         except BaseException as exc:
             err = self._sync_failed(exc, version)
             if err is exc:
@@ -134,3 +181,81 @@ class Reader(_Session):
         unpack(op, tensors, buf[: op.nbytes])
         phases["unpack"] += time.perf_counter() - t
         return buf
+
+    def _receive_coded(self, version: int, deadline: _Deadline, phases: dict[str, float]) -> int:
+        """Receive and decode every bucket of a delta sync; return the bytes received.
+
+        Each bucket is two messages: a directory of fixed size, then the rest, whose size the
+        directory gives. Messages with one writer must be posted in the order it sends them
+        (NCCL matches by order alone), so a bucket's rest is posted before the next bucket
+        from the same writer; buckets from other writers overlap meanwhile.
+        """
+        codec = self.codec
+        assert codec is not None
+        codec.begin(version)
+        free = deque(self._staging)
+        pending: deque[_Incoming] = deque()  # oldest first
+        open_dir: dict[int, _Incoming] = {}  # per writer: the bucket whose rest is not posted
+        received = 0
+        for op in self.ops:
+            previous = open_dir.pop(op.peer_global, None)
+            if previous is not None:
+                received += self._resolve(previous, deadline, phases)
+            if not free:
+                item = pending.popleft()
+                received += self._decode(item, deadline, phases)
+                free.append(item.buf)
+            buf = free.popleft()
+            head = directory_bytes(op)
+            item = _Incoming(op, buf, self.transport.recv(op.peer_global, buf[:head], op.bucket))
+            pending.append(item)
+            open_dir[op.peer_global] = item
+        while pending:
+            received += self._decode(pending.popleft(), deadline, phases)
+        return received
+
+    def _resolve(self, item: _Incoming, deadline: _Deadline, phases: dict[str, float]) -> int:
+        """Wait for a bucket's directory and post the receive of its rest; return its bytes."""
+        if item.size:
+            return 0
+        t = time.perf_counter()
+        self.transport.wait([item.head], deadline.left())
+        phases["transfer"] += time.perf_counter() - t
+        op, head = item.op, directory_bytes(item.op)
+        used = encoded_size(item.buf[:head])
+        if not head <= used <= item.buf.numel():
+            raise WeightbusError(
+                f"{self.name}: bucket {op.bucket} from writer {self.plan.writers[op.peer].name!r} "
+                f"says it is {used} bytes; it must be {head} to {item.buf.numel()}: the two sides "
+                "run different weightbus versions or codecs"
+            )
+        if used > head:
+            tag = rest_tag(op, len(self.plan.buckets))
+            item.rest = self.transport.recv(op.peer_global, item.buf[head:used], tag)
+        item.size = used
+        return used
+
+    def _decode(self, item: _Incoming, deadline: _Deadline, phases: dict[str, float]) -> int:
+        """Wait for a whole bucket and apply it to the live tensors; return the bytes not yet
+        counted."""
+        got = self._resolve(item, deadline, phases)
+        if item.rest is not None:
+            t = time.perf_counter()
+            self.transport.wait([item.rest], deadline.left())
+            phases["transfer"] += time.perf_counter() - t
+        t = time.perf_counter()
+        self.codec.unpack(item.op, item.buf)
+        phases["unpack"] += time.perf_counter() - t
+        return got
+
+
+class _Incoming:
+    """A delta bucket being received: its directory's handle, then its rest's."""
+
+    __slots__ = ("buf", "head", "op", "rest", "size")
+
+    def __init__(self, op: BucketOp, buf: torch.Tensor, head: Handle) -> None:
+        self.op, self.buf, self.head = op, buf, head
+        self.rest: Handle | None = None
+        self.size = 0
+        """The bucket's encoded bytes, once its directory arrived (0 until then)."""

@@ -113,8 +113,11 @@ class TensorSpec:
     """One canonical tensor: checkpoint name, global shape, dtype name."""
 
     name: str
+    """Checkpoint name, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
     shape: tuple[int, ...]
+    """Global shape."""
     dtype: str
+    """dtype name (``bfloat16``, ``float32``, ...)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", _shape(self.shape, f"tensor {self.name!r} shape"))
@@ -122,10 +125,12 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
         return self.numel * itemsize(self.dtype)
 
 
@@ -134,7 +139,9 @@ class Box:
     """A region of a tensor: a half-open range ``[start[d], stop[d])`` per dim."""
 
     start: tuple[int, ...]
+    """First index per dim (inclusive)."""
     stop: tuple[int, ...]
+    """End index per dim (exclusive)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "start", tuple(int(v) for v in self.start))
@@ -144,22 +151,27 @@ class Box:
 
     @classmethod
     def whole(cls, shape: Sequence[int]) -> Box:
+        """The box covering a whole tensor of ``shape``."""
         return cls((0,) * len(shape), tuple(shape))
 
     @classmethod
     def at(cls, start: Sequence[int], shape: Sequence[int]) -> Box:
+        """The box of ``shape`` whose first index is ``start``."""
         return cls(tuple(start), tuple(int(s) + int(n) for s, n in zip(start, shape, strict=True)))
 
     @property
     def ndim(self) -> int:
+        """Number of dims."""
         return len(self.start)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """Extent per dim."""
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
 
     @property
     def numel(self) -> int:
+        """Number of elements (0 when empty)."""
         n = 1
         for a, b in zip(self.start, self.stop, strict=True):
             n *= max(b - a, 0)
@@ -167,6 +179,7 @@ class Box:
 
     @property
     def empty(self) -> bool:
+        """Whether some dim has no extent."""
         return any(b <= a for a, b in zip(self.start, self.stop, strict=True))
 
     def intersect(self, other: Box) -> Box | None:
@@ -178,12 +191,14 @@ class Box:
         return Box(start, stop)
 
     def contains(self, other: Box) -> bool:
+        """Whether ``other`` lies entirely inside this box."""
         return all(
             a <= c and d <= b
             for a, b, c, d in zip(self.start, self.stop, other.start, other.stop, strict=True)
         )
 
     def slices(self) -> tuple[slice, ...]:
+        """Slices that index this region of a tensor (``t[box.slices()]``)."""
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
 
     def __str__(self) -> str:
@@ -198,9 +213,13 @@ class Piece:
     """
 
     tensor: str
+    """Canonical tensor name."""
     box: Box
+    """Region of the canonical tensor."""
     key: str
+    """Local tensor key."""
     local_box: Box
+    """Region of the local tensor holding it (may have extra leading dims of extent 1)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,8 +227,11 @@ class LocalTensor:
     """A tensor as the participant stores it (an engine parameter, a trainer shard)."""
 
     key: str
+    """Key of the local tensor (a parameter name, an engine's fused parameter)."""
     shape: tuple[int, ...]
+    """Shape as the participant stores it."""
     dtype: str
+    """dtype name."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", _shape(self.shape, f"local tensor {self.key!r} shape"))
@@ -221,10 +243,15 @@ class Participant:
     """Who a layout belongs to: role, rank within the role, name, host id and device."""
 
     role: str
+    """``"writer"`` (trainer side) or ``"reader"`` (inference side)."""
     rank: int
+    """Rank within the role, ``0 .. num_<role>s - 1``."""
     name: str = ""
+    """Unique name in the job; default ``<role>-<rank>``."""
     host: str = "localhost"
+    """Host id: participants on one host can use same-host transports."""
     device: str = "cpu"
+    """Device of the participant's tensors (``cpu``, ``cuda:0``)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -241,6 +268,7 @@ class Participant:
             )
 
     def to_dict(self) -> dict:
+        """A plain dict of the fields (JSON and msgpack ready)."""
         return {
             "role": self.role,
             "rank": self.rank,
@@ -251,6 +279,7 @@ class Participant:
 
     @classmethod
     def from_dict(cls, d: dict) -> Participant:
+        """The inverse of :meth:`to_dict`."""
         return cls(
             role=str(d["role"]),
             rank=int(d["rank"]),
@@ -275,10 +304,15 @@ class PieceTable:
     """
 
     tensor: np.ndarray
+    """Per piece: index into the layout's ``tensors``."""
     key: np.ndarray
+    """Per piece: index into the layout's ``locals``."""
     start: np.ndarray
+    """Per piece: canonical box start, ``(n, ndim)``."""
     stop: np.ndarray
+    """Per piece: canonical box stop, ``(n, ndim)``."""
     local_start: np.ndarray
+    """Per piece: first element of the box in the local tensor, ``(n, ndim)``."""
 
     def __post_init__(self) -> None:
         n = len(self.tensor)
@@ -291,6 +325,7 @@ class PieceTable:
 
     @property
     def ndim(self) -> int:
+        """Number of box columns."""
         return int(self.start.shape[1])
 
     def __len__(self) -> int:
@@ -298,6 +333,7 @@ class PieceTable:
 
     @classmethod
     def empty(cls, ndim: int = 1) -> PieceTable:
+        """A table with no pieces."""
         z = np.zeros((0, ndim), np.int64)
         return cls(
             tensor=np.zeros(0, np.int32), key=np.zeros(0, np.int32), start=z, stop=z, local_start=z
@@ -337,24 +373,32 @@ class Layout:
     """
 
     participant: Participant
+    """Who holds these pieces."""
     tensors: tuple[TensorSpec, ...]
+    """Canonical tensors this participant knows, with the shape and dtype it expects."""
     locals: tuple[LocalTensor, ...]
+    """This participant's local tensors."""
     pieces: PieceTable
+    """Every piece, as columns."""
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
+        """The participant's name."""
         return self.participant.name
 
     @property
     def role(self) -> str:
+        """The participant's role."""
         return self.participant.role
 
     @property
     def rank(self) -> int:
+        """The participant's rank within its role."""
         return self.participant.rank
 
     def tensor_spec(self, name: str) -> TensorSpec:
+        """The canonical tensor ``name``; KeyError if this layout does not hold it."""
         for t in self.tensors:
             if t.name == name:
                 return t
@@ -414,6 +458,7 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
+        """The inverse of :meth:`to_dict` (either form)."""
         if d.get("format") != "weightbus.layout/1":
             raise LayoutError(f"not a weightbus layout (format {d.get('format')!r})")
         n, ndim = int(d["n"]), int(d["ndim"])
@@ -430,17 +475,21 @@ class Layout:
         )
 
     def to_json(self) -> str:
+        """Compact JSON of :meth:`to_dict`."""
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
+        """The inverse of :meth:`to_json`."""
         return cls.from_dict(json.loads(text))
 
     def to_msgpack(self) -> bytes:
+        """msgpack of the binary :meth:`to_dict` form: what the control plane exchanges."""
         return msgpack.packb(self.to_dict(binary=True), use_bin_type=True)
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> Layout:
+        """The inverse of :meth:`to_msgpack` (no pickle)."""
         return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=True))
 
     @property
@@ -463,6 +512,7 @@ class LayoutBuilder:
 
     def __init__(self, participant: Participant) -> None:
         self.participant = participant
+        """Who the layout being built belongs to."""
         self._tensors: dict[str, TensorSpec] = {}
         self._locals: dict[str, LocalTensor] = {}
         self._tensor_pos: dict[str, int] = {}
@@ -470,6 +520,8 @@ class LayoutBuilder:
         self._rows: list[tuple[int, int, Sequence[int], Sequence[int], Sequence[int]]] = []
 
     def add_tensor(self, name: str, shape: Sequence[int], dtype: torch.dtype | str) -> None:
+        """Declare canonical tensor ``name`` with its global shape and the dtype this
+        participant expects (declaring it again with equal values is a no-op)."""
         spec = TensorSpec(name=name, shape=tuple(shape), dtype=dtype_name(dtype))
         old = self._tensors.setdefault(name, spec)
         self._tensor_pos.setdefault(name, len(self._tensor_pos))
@@ -480,6 +532,8 @@ class LayoutBuilder:
             )
 
     def add_local(self, key: str, shape: Sequence[int], dtype: torch.dtype | str) -> None:
+        """Declare local tensor ``key`` as this participant stores it (declaring it again
+        with equal values is a no-op)."""
         local = LocalTensor(key=key, shape=tuple(shape), dtype=dtype_name(dtype))
         old = self._locals.setdefault(key, local)
         self._local_pos.setdefault(key, len(self._local_pos))
@@ -525,6 +579,7 @@ class LayoutBuilder:
         )
 
     def build(self) -> Layout:
+        """The :class:`Layout` of everything declared so far."""
         tensors = tuple(self._tensors.values())
         locals_ = tuple(self._locals.values())
         ndim = max([len(t.shape) for t in locals_] + [len(t.shape) for t in tensors] + [1])
@@ -557,7 +612,9 @@ class BoundLayout:
     """
 
     layout: Layout
+    """What the participant holds."""
     tensors: dict[str, torch.Tensor]
+    """The live local tensors, by local key."""
 
     def __post_init__(self) -> None:
         who = self.layout.name

@@ -6,9 +6,15 @@ import logging
 import time
 from collections import deque
 
+import torch
+
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
+from weightbus.codecs.delta import directory_bytes
+from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.errors import WeightbusError
-from weightbus.plan.program import pack
+from weightbus.plan.codec_plan import CodecConfig, WriterCodec, rest_tag
+from weightbus.plan.program import BucketOp, pack
+from weightbus.transports.base import Handle
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,31 @@ class Writer(_Session):
     """
 
     role = "writer"
+    """This side's role."""
+
+    def __init__(self, *args, amax_reduce: AmaxReduce | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.amax_reduce = amax_reduce
+        """With FP8 (``SyncConfig.fp8``) and writer shards that cut 128 x 128 blocks: an
+        all-reduce (MAX) over the trainer's ranks holding the weights, through which writers
+        agree on those blocks' scales every sync
+        (``weightbus.codecs.fp8.all_reduce_max(group)``)."""
+
+    def _make_codec(self, plan, codecs: CodecConfig) -> WriterCodec:
+        return WriterCodec(
+            plan, self.bound.layout.rank, self.bound.tensors, codecs, amax_reduce=self.amax_reduce
+        )
+
+    def request_dense(self) -> None:
+        """Deltas: send every byte to every reader in the next sync."""
+        if self.codec is not None:
+            self.codec.request_dense()
+
+    def request_checksum(self) -> None:
+        """Deltas: readers verify a checksum of every bucket in the next sync (besides every
+        ``DeltaConfig.checksum_every`` syncs)."""
+        if self.codec is not None:
+            self.codec.request_checksum()
 
     def sync(self, version: int, *, progress: Progress | None = None) -> SyncResult:
         """Send this writer's share of the weights as ``version``; return once every reader
@@ -46,14 +77,17 @@ class Writer(_Session):
         try:
             transport.begin()
             control.post(f"begin/{seq}", {"version": version})
-            total = self.bytes_per_sync
+            total = sent = self.bytes_per_sync
             done = 0
+            if self.codec is not None:
+                sent = self._send_coded(version, seq, deadline, phases, progress)
             free = deque(self._staging)
             staged: deque = deque()  # (handle, staging buffer), oldest first
             direct: list = []  # handles of in-place sends
             tensors = self.bound.tensors
-            # a pulling transport's readers copy from this writer's tensors themselves
-            ops = () if transport.pulls else self.ops
+            # a pulling transport's readers copy from this writer's tensors themselves (and
+            # with codecs every bucket went out above)
+            ops = () if self.codec is not None or transport.pulls else self.ops
             for op, live in zip(ops, self.direct[: len(ops)], strict=True):
                 if live is not None:
                     # one contiguous region of a live tensor: sent in place, no staging
@@ -93,13 +127,87 @@ class Writer(_Session):
                 raise WeightbusError(
                     f"{self.name}: readers did not confirm version {version}: {bad}"
                 )
+            if self.codec is not None:
+                self.codec.acknowledged(version, range(len(self.plan.readers)))
             if self.bound.layout.rank == 0:
                 control.post(f"commit/{seq}", {"version": version})
             phases["control"] += time.perf_counter() - t
         except BaseException as exc:
+            if self.codec is not None:
+                self.codec.abandon()  # nothing is known of what readers hold: next sync dense
             err = self._sync_failed(exc, version)
             if err is exc:
                 raise
             raise err from exc
-        result = self._finished(version, total, time.perf_counter() - t_start, phases)
+        result = self._finished(version, sent, time.perf_counter() - t_start, phases)
         return result
+
+    def _send_coded(
+        self,
+        version: int,
+        seq: int,
+        deadline: _Deadline,
+        phases: dict[str, float],
+        progress: Progress | None,
+    ) -> int:
+        """Encode and send every bucket through the codecs (FP8, deltas); return the bytes
+        sent. The same pipeline as uncoded syncs: in-place sends go at once, staged buckets
+        take turns on the staging buffers."""
+        codec, control, transport = self.codec, self.control, self.transport
+        assert codec is not None and self.plan is not None
+        if codec.policy is not None:
+            # deltas: each reader says what its tensors hold, so one that missed a version
+            # or lost its weights gets every byte
+            t = time.perf_counter()
+            states = control.gather(f"holds/{seq}", role="reader", timeout=deadline.left())
+            index = {lay.name: i for i, lay in enumerate(self.plan.readers)}
+            held: list[int | None] = [None] * len(index)
+            for name, state in states.items():
+                held[index[name]] = state.get("holds")
+            codec.readers_hold(held, checksum=any(s.get("checksum") for s in states.values()))
+            phases["control"] += time.perf_counter() - t
+        t = time.perf_counter()
+        codec.begin(version)  # FP8: the amax pass and the writers' all-reduce
+        phases["pack"] += time.perf_counter() - t
+        total, done, sent = self.bytes_per_sync, 0, 0
+        free = deque(self._staging)
+        staged: deque = deque()  # (handles, staging buffer), oldest first
+        direct: list[Handle] = []
+        for op, live in zip(self.ops, self.direct, strict=True):
+            if live is not None:
+                direct.append(transport.send(op.peer_global, live, op.bucket))
+                sent += op.nbytes
+            else:
+                if not free:
+                    t = time.perf_counter()
+                    handles, buf = staged.popleft()
+                    transport.wait(handles, deadline.left())
+                    phases["transfer"] += time.perf_counter() - t
+                    free.append(buf)
+                buf = free.popleft()
+                t = time.perf_counter()
+                n = codec.pack(op, buf)
+                phases["pack"] += time.perf_counter() - t
+                staged.append((self._post_coded(op, buf, n), buf))
+                sent += n
+            done += op.nbytes
+            if progress is not None:
+                progress(done, total)
+        codec.end()
+        t = time.perf_counter()
+        transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
+        phases["transfer"] += time.perf_counter() - t
+        return sent
+
+    def _post_coded(self, op: BucketOp, buf: torch.Tensor, n: int) -> list[Handle]:
+        """Send the first ``n`` bytes of an encoded bucket: one message, or for deltas the
+        fixed-size directory and then the rest (when there is any)."""
+        assert self.transport is not None and self.codec is not None and self.plan is not None
+        if self.codec.encoder is None:
+            return [self.transport.send(op.peer_global, buf[:n], op.bucket)]
+        d = directory_bytes(op)
+        handles = [self.transport.send(op.peer_global, buf[:d], op.bucket)]
+        if n > d:
+            tag = rest_tag(op, len(self.plan.buckets))
+            handles.append(self.transport.send(op.peer_global, buf[d:n], tag))
+        return handles

@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="PORT",
-        help="instead of printing, serve the job's gauges for Prometheus on PORT until Ctrl-C",
+        help="instead of printing, serve the --job's gauges for Prometheus on PORT until Ctrl-C",
     )
     args = p.parse_args(argv)
     if args.sample is not None and args.sample < 0:
@@ -533,10 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port is not None:
         from weightbus import metrics
 
-        server = metrics.serve(
-            args.metrics_port, store=args.store, job=args.job or "default", timeout=timeout
-        )
-        print(f"serving job {args.job or 'default'!r} of {args.store} at {server.url}", flush=True)
+        if args.job is None:
+            p.error("--metrics-port serves one job: pass --job NAME")
+        server = metrics.serve(args.metrics_port, store=args.store, job=args.job, timeout=timeout)
+        print(f"serving job {args.job!r} of {args.store} at {server.url}", flush=True)
         try:
             while True:
                 time.sleep(3600)

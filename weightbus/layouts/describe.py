@@ -33,6 +33,7 @@ KINDS = {
     "megatron": {"tp": 1, "pp": 1, "ep": 1, "dp": 1, "fuse_qkv": "off"},
     "vllm": {"tp": 1, "dp": 1, "ep": "off"},
 }
+"""Layout kinds of a description (``kind:key=value,...``) and each key's default."""
 
 
 def parse(description: str) -> tuple[str, dict]:

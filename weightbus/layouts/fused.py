@@ -243,6 +243,8 @@ def engine_layout(
 
 
 EXPERT_PLACEMENTS = ("linear", "round_robin")
+"""How experts are spread over expert-parallel ranks: contiguous blocks (``linear``), or
+expert ``e`` on rank ``e % ep`` (``round_robin``)."""
 
 
 def expert_ids(num_experts: int, ep: int, ep_rank: int, placement: str = "linear") -> np.ndarray:
