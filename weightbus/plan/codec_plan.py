@@ -1,0 +1,400 @@
+"""Codecs in the sync path: the layouts both sides declare, and packing/unpacking through them.
+
+Connect, on every participant:
+
+1. ``codecs = CodecConfig(fp8=..., delta=...)``; agree on ``codecs.digest()`` (a mismatch,
+   one side FP8 and the other not, fails here, naming who holds which);
+2. declare ``wire_layout(bound.layout, codecs)`` in the layout exchange instead of the bound
+   layout: FP8 weights and their ``*_scale_inv`` tensors are then canonical tensors like any
+   other, planned and resharded by :func:`~weightbus.plan.make_plan`;
+3. after planning, :func:`check_codec_layouts` (clear messages when layouts disagree on FP8),
+   then build a :class:`WriterCodec` or :class:`ReaderCodec` from the plan.
+
+Each sync, a writer calls ``readers_hold(...)`` with what every reader says it holds (deltas
+only), ``begin(version)`` (the FP8 scales of this sync, the delta decision), ``pack(op, buf)``
+per bucket (returns the bytes to send), ``end()`` once every bucket is packed, and
+``acknowledged(version, readers)`` after the acks (``abandon()`` when the sync failed). A
+reader calls ``begin(version)``, ``unpack(op, buf)`` per bucket, and ``end(version)`` once
+committed. :func:`run_sync` does all of it in one process: the reference the tests use;
+:class:`~weightbus.Writer` and :class:`~weightbus.Reader` do it between processes.
+
+On the wire (see :mod:`weightbus.codecs.delta`), a delta bucket is two messages: its header
+and directory, of a size fixed per bucket (tag ``op.bucket``), then, when the bucket holds
+more, the rest (tag :func:`rest_tag`), whose size the reader reads from the directory. FP8
+buckets are one message of the plan's size, like uncoded ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightbus.codecs.delta import (
+    DeltaConfig,
+    DeltaDecision,
+    DeltaDecoder,
+    DeltaEncoder,
+    DeltaPolicy,
+    capacity,
+    directory_bytes,
+)
+from weightbus.codecs.fp8 import (
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    AmaxReduce,
+    Fp8Config,
+    WriterScales,
+    quantized_layout,
+)
+from weightbus.plan.planner import TransferPlan
+from weightbus.plan.program import BucketOp, Copy, build_program, unpack
+from weightbus.spec import Layout, LayoutError
+
+__all__ = [
+    "CodecConfig",
+    "ReaderCodec",
+    "WriterCodec",
+    "check_codec_layouts",
+    "rest_tag",
+    "run_sync",
+    "wire_layout",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecConfig:
+    """The codecs on the wire; every participant of a job must use an equal one."""
+
+    fp8: Fp8Config | None = None
+    """FP8 block quantization of weights (None: weights travel in the readers' dtype)."""
+    delta: DeltaConfig | None = None
+    """Sparse deltas against the previous sync (None: every sync sends every byte)."""
+
+    def key(self) -> str:
+        """What both sides must agree on (the delta options are the writers' alone)."""
+        parts = [
+            self.fp8.key() if self.fp8 else "fp8=off",
+            "delta=on" if self.delta else "delta=off",
+        ]
+        return "|".join(parts)
+
+    @property
+    def active(self) -> bool:
+        """Whether any codec is on (then writers encode every staged bucket)."""
+        return self.fp8 is not None or self.delta is not None
+
+    def summary(self) -> str:
+        """``"fp8"``, ``"fp8+delta"``, ``"bf16+delta"`` or ``"bf16"`` (no codec: weights
+        travel in the readers' dtype)."""
+        return ("fp8" if self.fp8 else "bf16") + ("+delta" if self.delta else "")
+
+    def digest(self) -> str:
+        """A short digest of :meth:`key`, for the connect-time agreement."""
+        return f"{self.summary()}:{hashlib.sha256(self.key().encode()).hexdigest()[:12]}"
+
+
+def rest_tag(op: BucketOp, num_buckets: int) -> int:
+    """The tag of a delta bucket's second message (its first, the directory, uses
+    ``op.bucket``); ``num_buckets`` is the plan's bucket count."""
+    return num_buckets + op.bucket
+
+
+def wire_layout(layout: Layout, codecs: CodecConfig) -> Layout:
+    """The layout to declare at connect: with FP8, the quantized tensors and their scales."""
+    if codecs.fp8 is None:
+        return layout
+    return quantized_layout(layout, codecs.fp8)
+
+
+def check_codec_layouts(writers: Sequence[Layout], readers: Sequence[Layout]) -> None:
+    """Explain an FP8 disagreement between the two sides before the planner's generic error."""
+    wdtype = {t.name: t.dtype for lay in writers for t in lay.tensors}
+    for lay in readers:
+        for t in lay.tensors:
+            w = wdtype.get(t.name)
+            if w is not None and w != t.dtype and FP8_DTYPE in (w, t.dtype):
+                side, other = ("writers", "reader") if w == FP8_DTYPE else ("reader", "writers")
+                raise LayoutError(
+                    f"{t.name}: writers send {w}, reader {lay.name!r} expects {t.dtype}: the "
+                    f"{side} quantize to FP8 and the {other} do not; pass the same "
+                    "Fp8Config (including its ignore list) on both sides"
+                )
+            if t.name.endswith(SCALE_SUFFIX) and w is None:
+                raise LayoutError(
+                    f"reader {lay.name!r} expects FP8 scales {t.name}, but writers do not "
+                    "quantize: enable FP8 on the writers too, with the same Fp8Config"
+                )
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors.values()}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
+def _origins(plan: TransferPlan, op: BucketOp) -> tuple[tuple[int, int], ...]:
+    """Canonical (row, col) of each route's first element, in the op's copy order."""
+    first = int(plan.buckets.first[op.bucket])
+    starts = plan.routes.start[first : first + len(op.copies)]
+    return tuple((int(s[-2]), int(s[-1])) if len(s) >= 2 else (0, int(s[-1])) for s in starts)
+
+
+class WriterCodec:
+    """One writer's codecs: FP8 scales and quantizing pack, delta shadow and encoder."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        codecs: CodecConfig,
+        *,
+        amax_reduce: AmaxReduce | None = None,
+    ) -> None:
+        self.plan, self.index, self.codecs = plan, index, codecs
+        self.name = plan.writers[index].name
+        self.ops = build_program(plan, "writer", index)
+        self.live = dict(tensors)
+        self.amax_reduce = amax_reduce
+        self.device = device = _device_of(self.live)
+        self.scales: WriterScales | None = None
+        self._fp8: frozenset[str] = frozenset()
+        scale_tensors: dict[str, torch.Tensor] = {}
+        if codecs.fp8 is not None:
+            self.scales = WriterScales(plan.writers, index, codecs.fp8, device=device)
+            if self.scales.exchange_size and amax_reduce is None:
+                raise ValueError(
+                    f"writer {self.name!r}: writer shards cut FP8 blocks "
+                    f"({self.scales.cut_example()}), so writers must agree on those blocks' "
+                    "amax every sync: pass amax_reduce (weightbus.codecs.fp8.all_reduce_max("
+                    f"group) over the trainer ranks), or shard at multiples of {codecs.fp8.block}"
+                )
+            self._fp8 = frozenset(self.scales.quantized)
+            scale_tensors = self.scales.tensors
+        clash = scale_tensors.keys() & self.live.keys()
+        if clash:
+            raise LayoutError(
+                f"writer {self.name!r}: local tensors {sorted(clash)} collide with FP8 scale grids"
+            )
+        self.tensors = {**self.live, **scale_tensors}
+        """Local tensors by key: the live ones and the FP8 scale grids (what copies read)."""
+        self._origins = {op.bucket: _origins(plan, op) for op in self.ops} if self._fp8 else {}
+        self.encoder: DeltaEncoder | None = None
+        self.policy: DeltaPolicy | None = None
+        if codecs.delta is not None:
+            self.encoder = DeltaEncoder(self.ops, codecs.delta, device=device, name=self.name)
+            self.policy = DeltaPolicy(codecs.delta, len(plan.readers))
+        self._decision: DeltaDecision | None = None
+        self._version: int | None = None
+
+    # -- connect-time facts ------------------------------------------------------------------
+
+    def capacity(self, op: BucketOp) -> int:
+        """Staging bytes bucket ``op`` needs."""
+        return capacity(op) if self.encoder else op.nbytes
+
+    def directory_bytes(self, op: BucketOp) -> int | None:
+        """With deltas: the fixed first part of the bucket, sent before the rest."""
+        return directory_bytes(op) if self.encoder else None
+
+    def direct(self, op: BucketOp) -> torch.Tensor | None:
+        """The live bytes of a bucket that may be sent in place (one contiguous route in the
+        wire dtype, no delta), else None: quantized routes and deltas are always staged."""
+        if self.encoder is not None or len(op.copies) != 1:
+            return None
+        c = op.copies[0]
+        if c.tensor in self._fp8:
+            return None
+        view = self.tensors[c.key][c.index]
+        if view.dtype != c.dtype or not view.is_contiguous() or c.nbytes != op.nbytes:
+            return None
+        return view.reshape(-1).view(torch.uint8)
+
+    # -- each sync ---------------------------------------------------------------------------
+
+    def readers_hold(self, held: Sequence[int | None], *, checksum: bool = False) -> None:
+        """Deltas: the version each reader (by index) says its tensors hold as this sync
+        begins (None: nothing usable); a reader holding anything but what this writer last
+        sent it gets every byte. ``checksum``: a reader asked for a checksum pass."""
+        if self.policy is None:
+            return
+        self.policy.holding(held)
+        if checksum:
+            self.policy.request_checksum()
+
+    def request_dense(self, readers: Iterable[int] | None = None) -> None:
+        """Deltas: send the next sync dense to ``readers`` (indices; default all)."""
+        if self.policy is not None:
+            self.policy.request_dense(readers)
+
+    def request_checksum(self) -> None:
+        """Deltas: every bucket of the next sync carries a checksum the readers verify."""
+        if self.policy is not None:
+            self.policy.request_checksum()
+
+    def begin(self, version: int, *, scales_ready: bool = False) -> None:
+        """Start the sync of ``version``: FP8 scales (amax pass and the writers' all-reduce,
+        unless ``scales_ready``) and the delta decision."""
+        self._version = int(version)
+        if self.scales is not None and not scales_ready:
+            self.scales.update(self.live, self.amax_reduce)
+        if self.policy is not None:
+            self._decision = self.policy.begin(self._version)
+
+    def _source(self, op: BucketOp, i: int, c: Copy, out: torch.Tensor | None = None):
+        region = self.tensors[c.key][c.index]
+        if c.tensor in self._fp8:
+            assert self.scales is not None
+            if out is None:
+                out = torch.empty(c.shape, dtype=c.dtype, device=region.device)
+            self.scales.quantize(c.tensor, region, self._origins[op.bucket][i], out)
+            return out
+        if out is not None:
+            out.copy_(region)
+            return out
+        return region if region.dtype == c.dtype else region.to(c.dtype)
+
+    @torch.no_grad()
+    def pack(self, op: BucketOp, buf: torch.Tensor) -> int:
+        """Fill ``buf`` (uint8, :meth:`capacity` bytes) with bucket ``op``; return the bytes
+        to send from its start."""
+        if self._version is None:
+            raise RuntimeError(f"writer {self.name!r}: begin(version) before pack")
+        if self.encoder is None:
+            for i, c in enumerate(op.copies):
+                dst = buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape)
+                self._source(op, i, c, dst)
+            return op.nbytes
+        assert self._decision is not None
+        return self.encoder.encode(
+            op, lambda i, c: self._source(op, i, c), buf, decision=self._decision
+        )
+
+    def end(self) -> None:
+        """Every bucket of this sync is packed."""
+        if self.policy is not None and self._decision is not None:
+            self.policy.sent(self._decision)
+        self._decision = None
+
+    def acknowledged(self, version: int, readers: Iterable[int]) -> None:
+        """``readers`` (indices) confirmed ``version``."""
+        if self.policy is not None:
+            self.policy.acknowledged(version, readers)
+
+    def abandon(self) -> None:
+        """The sync failed: the next one is dense for every reader."""
+        if self.policy is not None:
+            self.policy.abandon()
+        self._decision = None
+
+
+class ReaderCodec:
+    """One reader's codecs: FP8 needs nothing here (its bytes land in FP8 engine tensors);
+    deltas are applied in place."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        codecs: CodecConfig,
+    ) -> None:
+        self.name = plan.readers[index].name
+        self.ops = build_program(plan, "reader", index)
+        self.tensors = dict(tensors)
+        self.device = _device_of(self.tensors)
+        self.decoder = DeltaDecoder(self.name) if codecs.delta is not None else None
+        self.version: int | None = None
+        """The version the live tensors hold."""
+        self._syncing: int | None = None
+
+    def capacity(self, op: BucketOp) -> int:
+        """Staging bytes bucket ``op`` needs."""
+        return capacity(op) if self.decoder else op.nbytes
+
+    def directory_bytes(self, op: BucketOp) -> int | None:
+        """With deltas: the fixed first part of the bucket, received before the rest."""
+        return directory_bytes(op) if self.decoder else None
+
+    def direct(self, op: BucketOp) -> torch.Tensor | None:
+        """The live bytes a bucket may land in, in place (one contiguous route in the wire
+        dtype, no delta), else None: delta buckets are always staged and decoded."""
+        if self.decoder is not None or len(op.copies) != 1:
+            return None
+        c = op.copies[0]
+        view = self.tensors[c.key][c.index]
+        if view.dtype != c.dtype or not view.is_contiguous() or c.nbytes != op.nbytes:
+            return None
+        return view.reshape(-1).view(torch.uint8)
+
+    def begin(self, version: int) -> None:
+        self._syncing = int(version)
+
+    @torch.no_grad()
+    def unpack(self, op: BucketOp, buf: torch.Tensor) -> None:
+        """Apply the received bucket at the start of ``buf`` to the live tensors."""
+        if self.decoder is None:
+            unpack(op, self.tensors, buf[: op.nbytes])
+            return
+        if self._syncing is None:
+            raise RuntimeError(f"reader {self.name!r}: begin(version) before unpack")
+        self.decoder.decode(op, self.tensors, buf, version=self._syncing, held=self.version)
+
+    def end(self, version: int) -> None:
+        """The sync of ``version`` is committed: the live tensors hold it."""
+        self.version = int(version)
+        self._syncing = None
+
+
+def _random_bytes(n: int, device: torch.device) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
+
+
+def run_sync(
+    plan: TransferPlan,
+    writers: Sequence[WriterCodec],
+    readers: Sequence[ReaderCodec],
+    version: int,
+    *,
+    absent: Iterable[int] = (),
+) -> int:
+    """One sync in this process (the reference for tests): the FP8 amax all-reduce between
+    the writers, every bucket packed, only its encoded bytes carried into a buffer of random
+    bytes, unpacked. Readers in ``absent`` miss this sync. Returns the bytes that travelled."""
+    absent = set(absent)
+    if writers and writers[0].scales is not None:
+        parts = [w.scales.partial(w.live) for w in writers if w.scales is not None]
+        merged = None
+        if parts[0] is not None:
+            merged = torch.stack(parts).amax(dim=0)
+        for w in writers:
+            assert w.scales is not None
+            w.scales.finish(merged)
+    for w in writers:
+        w.begin(version, scales_ready=True)
+    for r in readers:
+        r.begin(version)
+    w_ops = {op.bucket: (w, op) for w in writers for op in w.ops}
+    r_ops = {op.bucket: (i, r, op) for i, r in enumerate(readers) for op in r.ops}
+    moved = 0
+    for b in range(len(plan.buckets)):
+        w, wop = w_ops[b]
+        ri, r, rop = r_ops[b]
+        sent = _random_bytes(w.capacity(wop), w.device)
+        used = w.pack(wop, sent)
+        if ri in absent:
+            continue
+        got = _random_bytes(r.capacity(rop), r.device)
+        got[:used] = sent[:used].to(r.device)
+        r.unpack(rop, got)
+        moved += used
+    for w in writers:
+        w.end()
+    present = [i for i in range(len(readers)) if i not in absent]
+    for i in present:
+        readers[i].end(version)
+    for w in writers:
+        w.acknowledged(version, present)
+    return moved
