@@ -85,7 +85,9 @@ __all__ = [
 ]
 
 SPLITS = ("column", "row", "replicated", "vocab")
+"""How tensor-parallel engines cut a tensor (module docstring, ``split``)."""
 GROUPS = ("qkv", "gate_up", "qkv_a", "w13", "w2")
+"""Fused engine parameters a tensor can join (module docstring, ``group``)."""
 ROLES = (
     "embed",
     "final_norm",
@@ -116,7 +118,9 @@ ROLES = (
     "expert_up",
     "expert_down",
 )
+"""Family-independent parts a canonical tensor can play (module docstring, ``role``)."""
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+"""Model families (``model_type`` values) weightbus knows."""
 
 _SPLIT_DIM = {"column": 0, "vocab": 0, "row": 1, "replicated": None}
 
@@ -126,15 +130,25 @@ class CanonicalTensor:
     """One canonical tensor and its kind (see the module docstring for each field)."""
 
     name: str
+    """Checkpoint name."""
     shape: tuple[int, ...]
+    """Global shape."""
     dtype: str
+    """dtype name in the checkpoint."""
     split: str
+    """How tensor-parallel engines cut it: one of :data:`SPLITS`."""
     role: str
+    """The family-independent part it plays: one of :data:`ROLES`."""
     layer: int | None = None
+    """Decoder layer index, None outside a layer."""
     expert: int | None = None
+    """Routed expert index, None outside an expert."""
     group: str | None = None
+    """Fused engine parameter it joins (one of :data:`GROUPS`), or None."""
     member: int = 0
+    """Its place in that fused parameter (q 0, k 1, v 2; gate 0, up 1)."""
     unit: int = 1
+    """Granule of the split dim no cut may go through (a head), 1 otherwise."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(v) for v in self.shape))
@@ -159,6 +173,7 @@ class CanonicalTensor:
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         n = 1
         for v in self.shape:
             n *= v
@@ -208,17 +223,24 @@ class LayerSpec:
     """
 
     index: int
+    """Layer index."""
     start: int
+    """First of the layer's tensors in :attr:`ModelSpec.tensors`."""
     stop: int
+    """End (exclusive) of the layer's tensors."""
     experts_start: int = -1
+    """First routed-expert tensor, -1 in a dense layer."""
     num_experts: int = 0
+    """Routed experts in the layer."""
 
     @property
     def moe(self) -> bool:
+        """Whether the layer has routed experts."""
         return self.experts_start >= 0
 
     @property
     def experts_stop(self) -> int:
+        """End (exclusive) of the routed-expert tensors, -1 in a dense layer."""
         return self.experts_start + 3 * self.num_experts if self.moe else -1
 
 
@@ -232,10 +254,15 @@ class NameTable:
     """
 
     family: str
+    """The family (``model_type``)."""
     fused: tuple[tuple[str, str], ...] = (("qkv", "qkv_proj"), ("gate_up", "gate_up_proj"))
+    """Fused group -> the vLLM module holding it."""
     experts: tuple[tuple[str, str], ...] = (("w13", "w13_weight"), ("w2", "w2_weight"))
+    """Expert group -> the stacked FusedMoE parameter."""
     expert_leaves: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Checkpoint names of one expert's gate, up and down projections."""
     moe_module: str = "mlp"
+    """The layer's MoE block (``block_sparse_moe`` for mixtral)."""
 
     def engine_name(self, tensor: CanonicalTensor) -> str:
         """The vLLM parameter that holds ``tensor``."""
@@ -269,6 +296,7 @@ NAME_TABLES: dict[str, NameTable] = {
         fused=(("qkv_a", "fused_qkv_a_proj"), ("gate_up", "gate_up_proj")),
     ),
 }
+"""vLLM's parameter names, one :class:`NameTable` per family."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -280,26 +308,47 @@ class ModelSpec:
     """
 
     family: str
+    """Model family (one of :data:`FAMILIES`)."""
     dtype: str
+    """Model dtype (canonical tensors use it unless the family pins another)."""
     vocab_size: int
+    """Vocabulary size (unpadded)."""
     hidden_size: int
+    """Hidden size."""
     num_layers: int
+    """Decoder layers."""
     num_heads: int
+    """Attention (query) heads."""
     num_kv_heads: int
+    """Key/value heads (GQA)."""
     head_dim: int
+    """Dimension of one attention head."""
     intermediate_size: int
+    """Dense MLP intermediate size."""
     tie_word_embeddings: bool
+    """Whether ``lm_head`` shares ``embed_tokens`` (no canonical ``lm_head.weight``)."""
     num_experts: int = 0
+    """Routed experts per sparse layer (0: dense model)."""
     moe_intermediate_size: int = 0
+    """Intermediate size of one routed expert."""
     shared_intermediate_size: int = 0
+    """Intermediate size of the shared experts (0: none)."""
     q_lora_rank: int | None = None
+    """MLA query low-rank dimension; None: no ``q_a_proj``."""
     kv_lora_rank: int = 0
+    """MLA key/value low-rank dimension; 0: no multi-latent attention."""
     qk_nope_head_dim: int = 0
+    """MLA per-head query/key dims without rotary embedding."""
     qk_rope_head_dim: int = 0
+    """MLA per-head query/key dims with rotary embedding."""
     v_head_dim: int = 0
+    """MLA per-head value dims."""
     tensors: tuple[CanonicalTensor, ...] = ()
+    """Every canonical tensor, in the order of the class docstring."""
     layers: tuple[LayerSpec, ...] = ()
+    """Where each layer's tensors sit in :attr:`tensors`."""
     config: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    """The config it was built from."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -319,6 +368,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
+        """Elements over all canonical tensors."""
         return sum(t.numel for t in self.tensors)
 
     @property
@@ -350,6 +400,7 @@ class ModelSpec:
             ) from None
 
     def tensor(self, name: str) -> CanonicalTensor:
+        """The canonical tensor ``name`` (KeyError if the model has none)."""
         return self.tensors[self.index(name)]
 
     def specs(self, indices: Iterable[int], dtype: str | None = None) -> list[TensorSpec]:
@@ -816,7 +867,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # Kimi-K2 (about 1.03T parameters): the DeepSeek-V3 architecture with 384 routed experts,
+    # 64 attention heads, one dense layer first; values from its published config.json
+    # (model_type "kimi_k2" there, built here as deepseek_v3)
+    "kimi-k2": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
+"""Configs by name (``model_spec("llama-3-8b")``): published shapes, no weights."""
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:

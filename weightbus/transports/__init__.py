@@ -1,0 +1,6 @@
+"""Transports: gloo, nccl, cuda_ipc (built into :mod:`weightbus.transports.base`), rdma."""
+
+from weightbus.transports import base as _base
+
+# imported on first use by name, like the built-in ones (its library, NIXL, is optional)
+_base._BUILTIN.setdefault("rdma", "weightbus.transports.rdma:RdmaTransport")

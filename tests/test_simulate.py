@@ -1,0 +1,280 @@
+"""The cluster simulator: small plans against hand-computed times, the 4 x H200 figures against
+the measured bench results, and `weightbus plan --simulate` as users run it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weightbus.layouts.describe import build_layouts
+from weightbus.layouts.families import model_spec
+from weightbus.plan import PlanOptions, make_plan
+from weightbus.plan import cli as plan_cli
+from weightbus.plan.simulate import (
+    CLUSTERS,
+    SCENARIOS,
+    Cluster,
+    SimOptions,
+    _contiguous,
+    measured,
+    relative_error,
+    simulate,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "2026-11-21-4xh200.json"
+
+# a one-layer Llama whose linear weights span whole and partial 128 x 128 blocks
+SMALL = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+# rates chosen so that the expected times are easy to write down
+GBs = 1e9
+FREE = dict(message_s=0.0, control_s=0.0, latency_s=0.0)
+
+
+def _plan(writers: str, readers: str, config=SMALL, bucket_bytes: int = 1 << 20):
+    m = model_spec(config)
+    return make_plan(
+        build_layouts(m, writers, "writer"),
+        build_layouts(m, readers, "reader"),
+        PlanOptions(bucket_bytes=bucket_bytes),
+    )
+
+
+def test_one_node_pipelined_and_serial_by_hand():
+    plan = _plan("whole", "whole")
+    total = plan.stats.total_bytes
+    assert total == 2 * (2 * 512 * 256 + 256 * 256 * 2 + 128 * 256 * 2 + 3 * 512 * 256 + 3 * 256)
+    cluster = Cluster(
+        gpus_per_node=2, nics_per_node=0, nvlink_gbps=10, copy_gbps=1000, message_s=1e-3
+    )
+    pred = simulate(plan, cluster)
+    p = pred.phases
+    # every tensor is below direct_bytes: all staged, packed and unpacked once, contiguous
+    assert pred.placement == "packed"
+    assert p["nvlink"] == pytest.approx(total / (10 * GBs))
+    assert p["pack"] == pytest.approx(total / (1000 * GBs))
+    assert p["unpack"] == pytest.approx(total / (1000 * GBs))
+    assert p["network"] == p["pcie"] == p["local"] == 0
+    n_buckets = len(plan.buckets)
+    largest = int(plan.buckets.nbytes.max())
+    assert p["messages"] == pytest.approx(n_buckets * 1e-3)
+    assert p["fill_drain"] == pytest.approx(2 * largest / (1000 * GBs))
+    assert pred.seconds == pytest.approx(
+        total / (10 * GBs) + 2 * largest / (1000 * GBs) + n_buckets * 1e-3 + 1e-3
+    )
+    serial = simulate(plan, cluster, SimOptions(pipelined=False))
+    assert serial.seconds == pytest.approx(
+        total / (10 * GBs) + 2 * total / (1000 * GBs) + n_buckets * 1e-3 + 1e-3
+    )
+
+
+def test_fp8_wire_bytes_by_hand():
+    def fp8(rows: int, cols: int) -> int:  # 1 byte per element, a float32 per 128 x 128 block
+        return rows * cols + 4 * -(-rows // 128) * -(-cols // 128)
+
+    linear = fp8(256, 256) * 2 + fp8(128, 256) * 2 + fp8(512, 256) * 2 + fp8(256, 512)
+    assert linear == 589968
+    kept = 2 * (2 * 512 * 256 + 3 * 256)  # embeddings, lm_head and norms stay bfloat16
+    cluster = Cluster(gpus_per_node=4, nics_per_node=0, **FREE)
+    pred = simulate(_plan("whole", "whole"), cluster, SimOptions(wire="fp8"))
+    assert pred.stats["wire_bytes"] == linear + kept
+    assert pred.stats["fp8_unaligned_bytes"] == 0
+    # two shards: k and v (128 rows) are cut at row 64, inside a block; those routes travel as
+    # bfloat16 and the reader quantizes them, every other block is whole on one writer
+    pred = simulate(_plan("fsdp:shard=2", "whole"), cluster, SimOptions(wire="fp8"))
+    kv = 2 * 128 * 256 * 2
+    assert pred.stats["fp8_unaligned_bytes"] == kv
+    assert pred.stats["wire_bytes"] == linear - 2 * fp8(128, 256) + kv + kept
+    # three shards of 85-86 rows cut blocks everywhere
+    plan = _plan("fsdp:shard=3", "whole")
+    pred = simulate(plan, cluster, SimOptions(wire="fp8"))
+    assert pred.stats["wire_bytes"] == plan.stats.total_bytes
+    assert pred.stats["fp8_fraction"] == 0
+    assert pred.stats["fp8_unaligned_bytes"] == plan.stats.total_bytes - kept
+
+
+def _two_nodes(**kw) -> Cluster:
+    base = dict(
+        gpus_per_node=2,
+        nics_per_node=1,
+        nic_gbits=8.0,
+        nic_efficiency=1.0,  # 1 GB/s each way
+        nvlink_gbps=10,
+        pcie_gbps=100,
+        copy_gbps=1e6,
+        **FREE,
+    )
+    return Cluster(**{**base, **kw})
+
+
+def test_network_fanout_and_incast_by_hand():
+    # two trainer replicas on node 0 -> two whole-model readers on node 1, one 1 GB/s NIC each
+    plan = _plan("whole:replicas=2", "whole:replicas=2", bucket_bytes=64 << 10)
+    model = plan.stats.total_bytes // 2
+    pred = simulate(plan, _two_nodes())
+    s, p = pred.stats, pred.phases
+    assert pred.placement == "nodes" and s["nodes"] == 2
+    # each box crosses the network once, then one reader passes it to the other over NVLink
+    assert s["network_bytes"] == model and s["forward_bytes"] == model
+    assert s["fanout_saved_bytes"] == model
+    assert p["network"] == pytest.approx(model / GBs)  # one NIC each side: waves add up exactly
+    assert s["network_bound_s"] == pytest.approx(model / GBs)
+    # the group's entry rotates: each reader GPU forwards about half the model
+    assert model / 2 / (10 * GBs) <= p["nvlink"] <= 0.6 * model / (10 * GBs)
+
+    no_fanout = simulate(plan, _two_nodes(), SimOptions(fanout=False))
+    assert no_fanout.stats["network_bytes"] == 2 * model
+    assert no_fanout.phases["network"] == pytest.approx(2 * model / GBs)
+    assert no_fanout.phases["nvlink"] == 0
+
+    # incast limit of one flow: every chunk is its own wave, each paying the latency
+    one = simulate(plan, _two_nodes(max_flows_per_nic=1, latency_s=1e-3), SimOptions(fanout=False))
+    assert one.stats["max_flows_into_nic"] == 1
+    waves = one.stats["waves"]
+    assert waves == one.stats["chunks"] > 4
+    assert one.phases["network"] == pytest.approx(2 * model / GBs + waves * 1e-3)
+    four = simulate(plan, _two_nodes(max_flows_per_nic=4), SimOptions(fanout=False))
+    assert four.stats["max_flows_into_nic"] <= 4 and four.stats["waves"] < waves
+
+
+def test_balanced_waves_spread_sources():
+    # 4 trainer GPUs on 2 nodes -> 4 readers on 2 nodes, one NIC per GPU: the schedule must
+    # come close to the busiest NIC's bound
+    plan = _plan("fsdp:shard=4", "whole:replicas=4", bucket_bytes=64 << 10)
+    pred = simulate(plan, _two_nodes(nics_per_node=2, max_flows_per_nic=2), SimOptions())
+    s = pred.stats
+    assert s["max_flows_into_nic"] <= 2
+    assert s["network_bound_s"] <= pred.phases["network"] <= 1.25 * s["network_bound_s"]
+
+
+def test_colocated_and_host_memory_paths():
+    plan = _plan("whole", "whole")
+    total = plan.stats.total_bytes
+    pred = simulate(
+        plan,
+        Cluster(gpus_per_node=1, nics_per_node=0, copy_gbps=100, **FREE),
+        SimOptions(placement="colocated"),
+    )
+    assert pred.stats["local_bytes"] == total
+    assert pred.phases["local"] == pytest.approx(total / (100 * GBs))
+    assert pred.phases["pack"] == pred.phases["unpack"] == pred.phases["nvlink"] == 0
+
+    # two host-memory halves -> two GPUs of their node that each need everything: each box
+    # crosses PCIe once and is relayed over NVLink
+    plan = _plan("fsdp:shard=2", "whole:replicas=2", bucket_bytes=64 << 10)
+    model = plan.stats.total_bytes // 2
+    pred = simulate(
+        plan, _two_nodes(nics_per_node=0), SimOptions(placement="colocated", writer_memory="host")
+    )
+    assert pred.stats["pcie_bytes"] == model and pred.stats["forward_bytes"] == model
+    assert model / 2 <= pred.phases["pcie"] * 100 * GBs <= 0.6 * model
+
+
+def test_contiguous_regions():
+    shape = np.array([[8, 16]] * 4)
+    start = np.array([[2, 0], [0, 4], [3, 5], [0, 0]])
+    extent = np.array([[3, 16], [8, 4], [1, 1], [1, 16]])
+    assert _contiguous(start, extent, shape).tolist() == [True, False, True, True]
+    # a leading dim of extent 1 (one expert of a stacked tensor) keeps a row block contiguous
+    assert _contiguous(np.array([[2, 0, 0]]), np.array([[1, 4, 16]]), np.array([[4, 8, 16]]))[0]
+
+
+def test_bad_descriptions_say_what_to_fix():
+    with pytest.raises(ValueError, match="gpu_nic has 3 entries for 8 GPUs"):
+        Cluster(gpu_nic=(0, 1, 2))
+    with pytest.raises(ValueError, match="nic_efficiency=1.5 must be in"):
+        Cluster(nic_efficiency=1.5)
+    with pytest.raises(ValueError, match="wire='int4' is not one of"):
+        SimOptions(wire="int4")
+    with pytest.raises(ValueError, match="has no NICs"):
+        simulate(_plan("fsdp:shard=4", "whole"), Cluster(gpus_per_node=2, nics_per_node=0))
+
+
+def _scenario_plan(name: str):
+    sc = SCENARIOS[name]
+    return _plan(sc.writers, sc.readers, config=sc.model, bucket_bytes=sc.bucket_mb << 20)
+
+
+def test_h200_figures_come_from_the_bench_results():
+    results = json.loads(RESULTS.read_text())
+    c, ceilings = CLUSTERS["h200x4"], results["ceilings"]
+    assert c.nvlink_gbps == ceilings["nccl_sendrecv_gbps"]
+    assert c.copy_gbps == ceilings["d2d_copy_gbps"]
+    assert c.pcie_gbps == ceilings["h2d_pinned_gbps"]
+    # message_s is the one fitted value: S1@nccl's measured time less what the rest predicts
+    s1 = measured(results, "S1@nccl")
+    plan = _scenario_plan("S1")
+    rest = simulate(plan, Cluster(**{**_fields(c), "message_s": 0.0}))
+    messages = len(plan.buckets)
+    fit = (s1["median_s"] - rest.seconds) / messages
+    assert fit == pytest.approx(c.message_s, rel=0.02)
+    assert simulate(plan, c).seconds == pytest.approx(s1["median_s"], rel=0.02)
+    # S2@nccl was not used to fit anything: it is a prediction
+    s2 = measured(results, "S2@nccl")
+    pred = simulate(_scenario_plan("S2"), c)
+    assert abs(relative_error(pred.seconds, s2["median_s"])) < 0.2
+    assert measured(results, "S5") is None
+
+
+def _fields(c: Cluster) -> dict:
+    return {f: getattr(c, f) for f in Cluster.__dataclass_fields__}
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "weightbus.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_cli_kimi_k2_prediction():
+    out = _run("plan", "--simulate", "--preset", "kimi-k2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert "256 writers -> 128 readers" in out.stdout
+    assert "8 x 400 Gb/s NICs" in out.stdout and "fp8" in out.stdout
+    for phase in ("pack", "network", "nvlink", "unpack", "total"):
+        assert re.search(rf"^\s+{phase}\s+[\d.]+ ms$", out.stdout, re.M), phase
+    m = re.fullmatch(
+        r"simulate preset=kimi-k2 writers=256 readers=128 predicted_s=([\d.]+)", lines[-1]
+    )
+    assert m, lines[-1]
+    assert 0 < float(m.group(1)) <= 1.3
+    simulated = re.search(r"simulated in\s+([\d.]+) s", out.stdout)
+    assert simulated and float(simulated.group(1)) < 5
+
+
+def test_cli_scenario_with_measured_figures_and_errors(capsys):
+    assert plan_cli.main(["--simulate", "--preset", "S2", "--measured", str(RESULTS)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"measured\s+S2@nccl over nccl: 137\.\d+ ms median", out)
+    assert out.strip().splitlines()[-1].startswith("simulate preset=S2 writers=1 readers=3")
+    assert plan_cli.main(["--simulate", "--preset", "S4", "--nvlink-gbps", "100", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulation"]
+    assert sim["cluster"]["nvlink_gbps"] == 100 and sim["phases"]["nvlink"] > 0
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main(["--preset", "S1"])
+    assert exc.value.code == 2 and "add --simulate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main(["--simulate", "--model", "tiny-llama", "--writers", "whole"])
+    assert exc.value.code == 2 and "give --readers" in capsys.readouterr().err
