@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,8 +73,42 @@ def test_bench_plan_reports_bad_input_clearly():
 
 
 @pytest.mark.timeout(400)
-def test_demo_runs_and_checks():
-    out = _run("demo", "--size", "tiny", "--steps", "2", "--timeout", "120", timeout=360)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip().splitlines()[-1].startswith("demo ok: steps=2 bytes="), out.stdout
-    assert out.stdout.strip().endswith("bit_exact=True generation_match=True")
+def test_demo_runs_and_checks_and_status_watches_it():
+    """The demo end to end; while it runs, `weightbus status` shows its participants and a
+    finished sync, read from the demo's control store."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "weightbus.cli", "demo", "--size", "tiny", "--steps", "6"]
+        + ["--timeout", "120", "--store-port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = None
+    try:
+        deadline = time.monotonic() + 300
+        while demo.poll() is None and time.monotonic() < deadline:
+            st = _run(
+                "status", "--store", f"127.0.0.1:{port}", "--job", "demo", "--json", timeout=60
+            )
+            if st.returncode == 0:
+                job = json.loads(st.stdout)["jobs"][0]
+                if job["registered"] == 3 and job["last_sync"]:
+                    seen = job
+                    break
+            time.sleep(0.5)
+        out, err = demo.communicate(timeout=360)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 0, out + err
+    assert out.strip().splitlines()[-1].startswith("demo ok: steps=6 bytes="), out
+    assert out.strip().endswith("bit_exact=True generation_match=True")
+    assert seen is not None, (
+        "weightbus status never showed the running demo's participants and a sync"
+    )
+    names = sorted(p["name"] for p in seen["participants"])
+    assert names == ["reader-0", "writer-0", "writer-1"], names
+    assert seen["last_sync"]["bytes"] > 0 and seen["committed"] >= 1, seen

@@ -285,7 +285,7 @@ def run(args) -> int:
         f"  device: {args.device}; {args.steps} steps, sync after each",
         flush=True,
     )
-    port = _free_port()
+    port = args.store_port or _free_port()
     args.store = f"127.0.0.1:{port}"
     # this process hosts the control store; the participants connect to it
     server = dist.TCPStore(
@@ -294,6 +294,11 @@ def run(args) -> int:
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=args.timeout),
+    )
+    print(
+        f"  control store: {args.store}, job 'demo' (watch it: weightbus status --store "
+        f"{args.store} --job demo)",
+        flush=True,
     )
     tmp = tempfile.TemporaryDirectory(prefix="weightbus-demo-")
     args.out = tmp.name
@@ -387,6 +392,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="transport name or auto")
     p.add_argument("--bucket-mb", type=int, default=16, help="bucket size in MiB (default 16)")
     p.add_argument(
+        "--store-port",
+        type=int,
+        default=0,
+        help="port of the control store on 127.0.0.1, for `weightbus status` (default: a free one)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds any wait may take (default 300)"
     )
 
@@ -395,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus demo", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    if not 0 <= args.store_port <= 65535:
+        p.error(f"--store-port {args.store_port} must be a port number, 1-65535 (0: a free one)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run(args)
 
