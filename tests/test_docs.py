@@ -40,7 +40,7 @@ DOCUMENTED = [
 
 # Exports defined here still lack member docstrings (PlanOptions.cast_to / key, the fields of
 # TransferPlan); the module is maintained elsewhere. Empty this once they are written.
-PENDING = ("weightbus.plan.planner",)
+PENDING: tuple[str, ...] = ()
 
 
 def _missing(obj, where: str) -> list[str]:

@@ -93,9 +93,11 @@ class PlanOptions:
             )
 
     def cast_to(self, src: str, dst: str) -> bool:
+        """Whether writers holding dtype ``src`` may feed readers holding ``dst``."""
         return src == dst or (src, dst) in self.cast
 
     def key(self) -> str:
+        """These options as one string, part of the plan's digest."""
         return (
             f"bucket={self.bucket_bytes};align={self.align};direct={self.direct_bytes};"
             f"cast={self.cast};ignore={self.ignore_unread}"
@@ -174,20 +176,28 @@ class TransferPlan:
     """The result of :func:`make_plan`: routes grouped into buckets, with a digest."""
 
     writers: tuple[Layout, ...]
+    """The writers' layouts, by rank."""
     readers: tuple[Layout, ...]
+    """The readers' layouts, by rank."""
     tensors: tuple[TensorSpec, ...]
     """Canonical tensors with the *readers'* dtype, sorted by name."""
     src_dtypes: tuple[str, ...]
     """The writers' dtype of each tensor (equal to ``tensors[i].dtype`` unless cast)."""
     routes: Routes
+    """Every route (one box of one tensor from one writer to one reader), column-wise."""
     buckets: Buckets
+    """Routes grouped per link under the byte budget, in execution order."""
     options: PlanOptions
+    """The options the plan was made with."""
     stats: PlanStats
+    """Bytes, routes and balance figures for logs and the CLI."""
     digest: str
+    """Hash of everything above; every participant must compute the same one."""
     _index: dict = field(default_factory=dict, repr=False)
 
     @property
     def participants(self) -> tuple[Participant, ...]:
+        """Writers by rank, then readers by rank (the global ranks transports use)."""
         return tuple(w.participant for w in self.writers) + tuple(
             r.participant for r in self.readers
         )
