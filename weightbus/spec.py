@@ -458,21 +458,31 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
-        """The inverse of :meth:`to_dict` (either form)."""
-        if d.get("format") != "weightbus.layout/1":
-            raise LayoutError(f"not a weightbus layout (format {d.get('format')!r})")
-        n, ndim = int(d["n"]), int(d["ndim"])
-        cols = {}
-        for k, v in d["pieces"].items():
-            dt = np.dtype("<i4") if k in ("tensor", "key") else np.dtype("<i8")
-            a = np.frombuffer(v, dtype=dt) if isinstance(v, bytes) else np.asarray(v, dtype=dt)
-            cols[k] = a.reshape((n, ndim) if k not in ("tensor", "key") else (n,))
-        return cls(
-            participant=Participant.from_dict(d["participant"]),
-            tensors=tuple(TensorSpec(name=a, shape=tuple(b), dtype=c) for a, b, c in d["tensors"]),
-            locals=tuple(LocalTensor(key=a, shape=tuple(b), dtype=c) for a, b, c in d["locals"]),
-            pieces=PieceTable(**cols),
-        )
+        """The inverse of :meth:`to_dict` (either form).
+
+        Input from another process is untrusted: anything malformed (wrong types, sizes or
+        dtypes, piece indices out of range, boxes outside their tensors) raises
+        :class:`LayoutError` saying what, before any of it is used.
+        """
+        try:
+            return _layout_from_dict(cls, d)
+        except LayoutError:
+            raise
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            AssertionError,
+            OverflowError,
+        ) as e:
+            who = d.get("participant", {}).get("name", "?") if isinstance(d, dict) else "?"
+            if not isinstance(who, str):
+                who = "?"
+            raise LayoutError(
+                f"malformed layout from {who!r}: {type(e).__name__}: {e}; layouts must come from "
+                "Layout.to_dict / to_msgpack of the same weightbus version"
+            ) from None
 
     def to_json(self) -> str:
         """Compact JSON of :meth:`to_dict`."""
@@ -489,8 +499,16 @@ class Layout:
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> Layout:
-        """The inverse of :meth:`to_msgpack` (no pickle)."""
-        return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=True))
+        """The inverse of :meth:`to_msgpack` (no pickle); malformed input raises LayoutError."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise LayoutError(f"a msgpack layout is bytes, got {type(data).__name__}")
+        try:
+            d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except (ValueError, TypeError, msgpack.exceptions.ExtraData) as e:
+            raise LayoutError(f"layout is not valid msgpack: {type(e).__name__}: {e}") from None
+        if not isinstance(d, dict):
+            raise LayoutError(f"a layout is a map, got {type(d).__name__}")
+        return cls.from_dict(d)
 
     @property
     def digest(self) -> str:
@@ -498,6 +516,99 @@ class Layout:
         if "digest" not in self._memo:
             self._memo["digest"] = hashlib.sha256(self.to_msgpack()).hexdigest()
         return self._memo["digest"]
+
+
+_MAX_NDIM = 16
+_MAX_PIECES = 1 << 28
+
+
+def _layout_from_dict(cls, d: dict) -> Layout:
+    if not isinstance(d, dict):
+        raise LayoutError(f"a layout is a dict, got {type(d).__name__}")
+    if d.get("format") != "weightbus.layout/1":
+        raise LayoutError(f"not a weightbus layout (format {d.get('format')!r})")
+    participant = Participant.from_dict(d["participant"])
+    who = participant.name
+    n, ndim = d["n"], d["ndim"]
+    if not (type(n) is int and 0 <= n <= _MAX_PIECES and type(ndim) is int):
+        raise LayoutError(f"{who}: piece count n={n!r} / ndim={ndim!r} must be integers")
+    if not 1 <= ndim <= _MAX_NDIM:
+        raise LayoutError(f"{who}: ndim={ndim} is outside 1..{_MAX_NDIM}")
+
+    def entries(field: str, make):
+        rows = d[field]
+        if not isinstance(rows, list):
+            raise LayoutError(f"{who}: {field} must be a list, got {type(rows).__name__}")
+        out = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)):
+                raise LayoutError(f"{who}: each of {field} is [name, shape, dtype], got {row!r}")
+            if not (isinstance(row[1], list) and all(type(x) is int for x in row[1])):
+                raise LayoutError(
+                    f"{who}: {field} {row[0]!r} shape {row[1]!r} is not a list of ints"
+                )
+            if len(row[1]) > ndim:
+                raise LayoutError(f"{who}: {field} {row[0]!r} has {len(row[1])} dims, ndim={ndim}")
+            out.append(make(row[0], tuple(row[1]), row[2]))
+        if len({t[0] for t in rows}) != len(rows):
+            raise LayoutError(f"{who}: {field} names a tensor twice")
+        return tuple(out)
+
+    tensors = entries("tensors", lambda a, b, c: TensorSpec(name=a, shape=b, dtype=c))
+    local_ts = entries("locals", lambda a, b, c: LocalTensor(key=a, shape=b, dtype=c))
+    pieces = d["pieces"]
+    names = ("tensor", "key", "start", "stop", "local_start")
+    if not isinstance(pieces, dict) or sorted(pieces) != sorted(names):
+        raise LayoutError(f"{who}: pieces must have exactly the columns {names}")
+    cols = {}
+    for k in names:
+        v = pieces[k]
+        dt = np.dtype("<i4") if k in ("tensor", "key") else np.dtype("<i8")
+        want = n if k in ("tensor", "key") else n * ndim
+        if isinstance(v, (bytes, bytearray)):
+            if len(v) != want * dt.itemsize:
+                raise LayoutError(
+                    f"{who}: column {k} has {len(v)} bytes, {want * dt.itemsize} expected"
+                )
+            a = np.frombuffer(v, dtype=dt)
+        elif isinstance(v, list) and len(v) == want and all(type(x) is int for x in v):
+            a = np.asarray(v, dtype=dt)
+        else:
+            raise LayoutError(f"{who}: column {k} must be {want} integers")
+        dims = (n,) if k in ("tensor", "key") else (n, ndim)
+        cols[k] = a.astype(dt.newbyteorder("="), copy=False).reshape(dims)
+    table = PieceTable(**cols)
+    # every index and box within range: the planner and executors index with these
+    if n:
+        if table.tensor.min() < 0 or table.tensor.max() >= len(tensors):
+            raise LayoutError(
+                f"{who}: a piece names canonical tensor index outside 0..{len(tensors) - 1}"
+            )
+        if table.key.min() < 0 or table.key.max() >= len(local_ts):
+            raise LayoutError(
+                f"{who}: a piece names local tensor index outside 0..{len(local_ts) - 1}"
+            )
+        shape = np.array([_pad_left(t.shape, ndim, 1) for t in tensors], np.int64).reshape(-1, ndim)
+        lshape = np.array([_pad_left(t.shape, ndim, 1) for t in local_ts], np.int64).reshape(
+            -1, ndim
+        )
+        extent = table.stop - table.start
+        bad = (
+            (table.start < 0).any(axis=1)
+            | (extent < 0).any(axis=1)
+            | (table.stop > shape[table.tensor]).any(axis=1)
+            | (table.local_start < 0).any(axis=1)
+            | (table.local_start + extent > lshape[table.key]).any(axis=1)
+        )
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LayoutError(
+                f"{who}: piece {i} (of {tensors[table.tensor[i]].name!r} into "
+                f"{local_ts[table.key[i]].key!r}) has box {table.start[i].tolist()}.."
+                f"{table.stop[i].tolist()} at {table.local_start[i].tolist()}, outside the "
+                "tensors' shapes"
+            )
+    return cls(participant=participant, tensors=tensors, locals=local_ts, pieces=table)
 
 
 class LayoutBuilder:
