@@ -45,6 +45,7 @@ def test_round_trip_is_exact():
         (lambda d: d["tensors"][0].__setitem__(1, [-4, 2]), "malformed layout"),
         (lambda d: d["participant"].update(role="boss"), "malformed layout"),
         (lambda d: d["pieces"].pop("stop"), "exactly the columns"),
+        (lambda d: d.update(participant=None), "malformed layout from '\\?'"),
     ],
 )
 def test_broken_fields_are_named(break_it, says):
@@ -66,7 +67,9 @@ def test_piece_outside_its_tensor_is_refused_naming_it():
         Layout.from_dict(d)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=1000, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_escape_as_other_errors(data):
     with pytest.raises(LayoutError):
@@ -98,7 +101,9 @@ BASE = _layout().to_dict(binary=True)
 PATHS = [p for _, _, p in _paths(BASE)]
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.sampled_from(PATHS), _VALUES)
 def test_one_broken_value_decodes_or_raises_layout_error(path, value):
     d = copy.deepcopy(BASE)

@@ -476,9 +476,9 @@ class Layout:
             AssertionError,
             OverflowError,
         ) as e:
-            who = d.get("participant", {}).get("name", "?") if isinstance(d, dict) else "?"
-            if not isinstance(who, str):
-                who = "?"
+            p = d.get("participant") if isinstance(d, dict) else None
+            who = p.get("name") if isinstance(p, dict) else None
+            who = who if isinstance(who, str) else "?"
             raise LayoutError(
                 f"malformed layout from {who!r}: {type(e).__name__}: {e}; layouts must come from "
                 "Layout.to_dict / to_msgpack of the same weightbus version"
