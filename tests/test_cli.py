@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import socket
@@ -10,6 +12,8 @@ import sys
 import time
 
 import pytest
+
+from weightbus.control import status
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -90,11 +94,13 @@ def test_demo_runs_and_checks_and_status_watches_it():
     try:
         deadline = time.monotonic() + 300
         while demo.poll() is None and time.monotonic() < deadline:
-            st = _run(
-                "status", "--store", f"127.0.0.1:{port}", "--job", "demo", "--json", timeout=60
-            )
-            if st.returncode == 0:
-                job = json.loads(st.stdout)["jobs"][0]
+            # the status command's own entry point, in process: a new interpreter per poll
+            # would take seconds on a loaded machine, longer than the demo's syncs
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                rc = status.main(["--store", f"127.0.0.1:{port}", "--job", "demo", "--json"])
+            if rc == 0:
+                job = json.loads(text.getvalue())["jobs"][0]
                 if job["registered"] == 3 and job["last_sync"]:
                     seen = job
                     break
