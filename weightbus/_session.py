@@ -170,10 +170,12 @@ class _Session:
         return self.bound.layout.name
 
     def connect(self) -> TransferPlan:
-        """Register, exchange layouts, plan, agree on the plan digest, build the transport.
+        """Register, agree on the codecs, exchange layouts, plan, agree on the plan digest,
+        build the codecs' state and the transport.
 
-        A layout disagreement raises :class:`~weightbus.spec.LayoutError` here, on every
-        participant, before any byte moves.
+        A layout disagreement raises :class:`~weightbus.spec.LayoutError` here, and a codec
+        disagreement :class:`~weightbus.errors.PlanMismatch`, on every participant, before any
+        byte moves.
         """
         try:
             self.control.connect()
@@ -189,7 +191,10 @@ class _Session:
             self.control.agree("plan", plan.digest, timeout=self.config.connect_timeout)
             index = self.bound.layout.rank
             self.codec = self._make_codec(plan, codecs) if codecs.active else None
-            self.ops = self.codec.ops if self.codec else build_program(plan, self.role, index)
+            if self.codec is not None:
+                self.ops = self.codec.ops
+            else:
+                self.ops = build_program(plan, self.role, index)
             # the transport's own per-operation bound must not cut a sync short: a writer's
             # sends wait for readers that may still be finishing their rollouts
             cfg = self.config
@@ -214,7 +219,7 @@ class _Session:
                 for c in op.copies
             }
             staged = [
-                self.codec.capacity(op) if self.codec else op.nbytes
+                self.codec.capacity(op) if self.codec is not None else op.nbytes
                 for op, d in zip(self.ops, self.direct, strict=True)
                 if d is None and not pulls
             ]
@@ -224,7 +229,7 @@ class _Session:
                 torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
             ]
             self.transport.register(self._staging)
-            tensors = self.codec.tensors if self.codec else self.bound.tensors
+            tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
             self.transport.expose(Program(self.ops, tensors, tuple(self.direct)))
             self.bytes_per_sync = sum(op.nbytes for op in self.ops)
             self.plan = plan
@@ -260,7 +265,7 @@ class _Session:
             self.control.agree("codecs", codecs.digest(), timeout=self.config.connect_timeout)
         except PlanMismatch as exc:
             parts = [
-                f"{', '.join(names)} use {_codec_words(digest)}"
+                f"{', '.join(names)} with {_codec_words(digest)}"
                 for digest, names in sorted(exc.groups.items(), key=lambda kv: -len(kv[1]))
             ]
             same = len({d.split(":")[0] for d in exc.groups}) == 1

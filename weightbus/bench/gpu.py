@@ -14,9 +14,16 @@ Scenarios (names from the project's bench guide):
   S2  1 writer GPU -> 3 reader GPUs, each gets the full model
   S4  FSDP2 on 2 GPUs -> tensor parallel 2 on 2 other GPUs
   S3  colocated: writer and reader processes on one GPU (CUDA IPC)
+  S5  pinned host memory over the GPUs -> every GPU, beside checkpoint-engine (``s5.py``)
+  S6  S1 with FP8 block quantization on the wire (reader holds FP8 engine tensors and scales)
+  S7  S1 with sparse deltas, ``--changed`` (default 1%) of the elements changed before each sync
 
 ``--scenarios S1@cuda_ipc,S1@nccl`` runs a scenario over a given transport; without ``@`` the
-transport is chosen automatically (CUDA IPC between GPUs of one host).
+transport is chosen automatically (CUDA IPC between GPUs of one host). Codecs need a transport
+whose writers encode (not CUDA IPC's pulls): S6 and S7 run over NCCL, and their ratio is their
+time over S1's over NCCL in the same run (S1@nccl is run first when not asked for). S6 also
+reports the Triton FP8 quantize throughput (GB/s of bf16 input), and checks the reader's bytes
+against the quantization computed on the writer's GPU and the FP8 error bound.
 """
 
 from __future__ import annotations
@@ -49,8 +56,11 @@ SCENARIOS = {
     "S2": ("whole", "vllm:tp=1,dp=3", 4, 1 / 1.15, "raw NCCL broadcast time over sync time"),
     "S4": ("fsdp:shard=2", "vllm:tp=2", 4, 0.85, "aggregate GB/s over two raw send/recv links"),
     "S3": ("whole", "vllm:tp=1", 1, 0.75, "GB/s over same-GPU device-to-device copy"),
+    "S6": ("whole", "vllm:tp=1", 2, 0.6, "sync time over S1's over nccl (lower is better)"),
+    "S7": ("whole", "vllm:tp=1", 2, 0.10, "sync time over S1's dense over nccl (lower is better)"),
 }
 COLOCATED = {"S3"}  # writer and reader processes on the same GPU
+CODECS = {"S6", "S7"}  # run over nccl, compared with S1@nccl
 
 
 CEILING_NOTES = {
@@ -180,15 +190,23 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         device = torch.device("cuda", gpu)
         wdesc, rdesc, *_ = SCENARIOS[args.scenario]
         transport = args.scenario_transport or args.transport
+        codecs = _scenario_codecs(args.scenario, args.fp8_block)
+        if codecs and not args.scenario_transport:
+            transport = "nccl"
         model = model_spec(args.model, dtype="bfloat16")
         layout = build_layouts(model, wdesc if role == "writer" else rdesc, role)[rank]
         me = Participant(role=role, rank=rank, host=socket.gethostname(), device=str(device))
         layout = dataclasses.replace(layout, participant=me, _memo={})
+        if role == "reader" and "fp8" in codecs:
+            from weightbus.codecs import quantized_layout
+
+            layout = quantized_layout(layout, codecs["fp8"])  # FP8 engine tensors and scales
         tensors = allocate(layout, device=device)
         canon = _canonical(model, device)
         if role == "writer":
             fill_from_canonical(layout, canon, tensors)
-            del canon
+            if args.scenario != "S7":
+                del canon
         torch.cuda.synchronize()
         control = ControlConfig(
             num_writers=args.n_writers,
@@ -206,15 +224,28 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             transport=transport,
             sync_timeout=dt.timedelta(seconds=120),
             step_timeout=dt.timedelta(seconds=300),
+            **codecs,
         )
         bound = BoundLayout(layout=layout, tensors=tensors)
         side = Writer(bound, control, sync) if role == "writer" else Reader(bound, control, sync)
         plan = side.connect()
         cp = side.control
-        times, bit_exact = [], None
+        times, bit_exact, sent, extra = [], None, [], {}
         total = args.warmup + args.iters + 1
         for i in range(total):
             last = i == total - 1
+            if args.scenario == "S7":
+                if role == "reader" and last:
+                    # the deltas so far must have left every byte right; then one dense sync
+                    # into poisoned tensors
+                    extra["exact_before_dense"] = _exact(layout, tensors, canon, device)
+                    side.request_dense()
+                # change a fraction of the elements before each sync (the reader replays the
+                # changes to know what it must hold)
+                _change(canon, i + 1, args.changed)
+                if role == "writer":
+                    fill_from_canonical(layout, canon, tensors)
+                torch.cuda.synchronize()
             if role == "reader" and last:
                 for t in tensors.values():
                     poison(t)
@@ -227,12 +258,14 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                 result = side.wait()
             if args.warmup <= i < total - 1:
                 times.append(result.seconds)
-        if role == "reader":
-            want = allocate(layout, device=device)
-            fill_from_canonical(layout, canon, want)
-            bit_exact = all(
-                torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want
-            )
+                sent.append(result.bytes)
+        if role == "reader" and "fp8" in codecs:
+            extra.update(_fp8_check(layout, tensors, canon, codecs["fp8"]))
+            bit_exact = extra["equal_to_quantization"] and extra["error_over_bound"] <= 1.0
+        elif role == "reader":
+            bit_exact = _exact(layout, tensors, canon, device)
+            if "exact_before_dense" in extra:
+                bit_exact = bit_exact and extra["exact_before_dense"]
         side.close()
         q.put(
             (
@@ -245,6 +278,8 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                     "bytes": plan.stats.total_bytes,
                     "phases": result.phases,
                     "transport": side.transport.name if side.transport else "?",
+                    "sent": sent,
+                    **extra,
                 },
             )
         )
@@ -257,6 +292,97 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                 f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
             )
         )
+
+
+def _scenario_codecs(scenario: str, fp8_block: int = 128) -> dict:
+    """SyncConfig codec fields of a scenario: S6 FP8, S7 deltas (checksums only on request)."""
+    from weightbus.codecs import DeltaConfig, Fp8Config
+
+    if scenario == "S6":
+        return {"fp8": Fp8Config(block=fp8_block)}
+    if scenario == "S7":
+        return {"delta": DeltaConfig(checksum_every=0)}
+    return {}
+
+
+def _change(canon: dict, step: int, fraction: float) -> None:
+    """Change about ``fraction`` of every tensor's elements, the same on every process. An
+    index drawn twice gets the same new value (computed from the old one), so the result does
+    not depend on which write lands last."""
+    import torch
+
+    for name, x in canon.items():
+        flat = x.view(-1)
+        n = max(1, int(fraction * flat.numel()))
+        g = torch.Generator(device=x.device).manual_seed(zlib.crc32(name.encode()) + 7919 * step)
+        idx = torch.randint(flat.numel(), (n,), generator=g, device=x.device)
+        flat[idx] = (flat[idx].float() * -0.5 + 1e-3).to(flat.dtype)
+
+
+def _exact(layout, tensors: dict, canon: dict, device) -> bool:
+    """Whether the reader's tensors hold ``canon`` bit for bit."""
+    import torch
+
+    from weightbus.plan import allocate, fill_from_canonical
+
+    want = allocate(layout, device=device)
+    fill_from_canonical(layout, canon, want)
+    return all(torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def _fp8_check(layout, tensors: dict, canon: dict, cfg) -> dict:
+    """S6's reader check: FP8 values and scales equal to quantizing the canonical tensors on
+    this GPU (the kernel the codec tests hold to the reference), the rest bit exact, and the
+    largest dequantization error over the FP8 bound (e4m3 rounding: ``|x| * (2**-4 + 2**-20)
+    + s * 2**-10``; at most 1)."""
+    import torch
+
+    from weightbus.codecs.fp8 import quantize_blocks, scale_name
+
+    quantized = {t.name for t in layout.tensors if t.dtype == "float8_e4m3fn"}
+    ref = {n: quantize_blocks(canon[n], cfg) for n in quantized}
+    scales = {scale_name(n): n for n in quantized}
+    equal, worst = True, 0.0
+    for p in layout.iter_pieces():
+        have = tensors[p.key][p.local_box.slices()]
+        if p.tensor in quantized:
+            q, s = ref[p.tensor]
+            box = p.box.slices()
+            equal &= torch.equal(
+                have.view(torch.uint8), q[box].reshape(have.shape).view(torch.uint8)
+            )
+            rows = torch.arange(p.box.start[-2], p.box.stop[-2], device=s.device) // cfg.block
+            cols = torch.arange(p.box.start[-1], p.box.stop[-1], device=s.device) // cfg.block
+            s_full = s[rows][:, cols]
+            x = canon[p.tensor][box].float()
+            err = (x - have.reshape(x.shape).float() * s_full).abs()
+            bound = x.abs() * (2.0**-4 + 2.0**-20) + s_full * 2.0**-10
+            worst = max(worst, float((err / bound).max()))
+        elif p.tensor in scales:
+            s = ref[scales[p.tensor]][1][p.box.slices()]
+            equal &= torch.equal(have, s.reshape(have.shape))
+        else:
+            want = canon[p.tensor][p.box.slices()].reshape(have.shape)
+            equal &= torch.equal(have.view(torch.uint8), want.view(torch.uint8))
+    return {"equal_to_quantization": bool(equal), "error_over_bound": round(worst, 4)}
+
+
+def _quantize_gbps(iters: int) -> float:
+    """Triton FP8 block quantization of a 1 GiB bf16 tensor on GPU 0, GB/s of bf16 input."""
+    import torch
+
+    from weightbus.codecs.fp8 import Fp8Config, quantize_blocks
+
+    x = torch.randn(16384, 32768, device="cuda:0").to(torch.bfloat16)
+    cfg = Fp8Config()
+    with torch.cuda.device(0):
+        seconds = statistics.median(
+            _time_cuda(lambda: quantize_blocks(x, cfg, impl="triton"), iters)
+        )
+    nbytes = x.numel() * x.element_size()
+    x = None  # give GPU 0's memory back to the scenarios' processes
+    torch.cuda.empty_cache()
+    return nbytes / seconds / 1e9
 
 
 def _run_group(targets: list[tuple], timeout: float) -> dict:
@@ -351,6 +477,18 @@ def main(argv: list[str] | None = None) -> int:
         help="routes this large move in place (default: SyncConfig's)",
     )
     p.add_argument("--transport", default="auto", help="transport name or auto")
+    p.add_argument(
+        "--changed",
+        type=float,
+        default=0.01,
+        help="S7: fraction of the elements changed before each sync (default 0.01)",
+    )
+    p.add_argument(
+        "--fp8-block",
+        type=int,
+        default=128,
+        help="S6: FP8 block side (default 128; small models need 32: fused parts start there)",
+    )
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument(
         "--kind", default=None, help="machine kind for the file name (default: from the GPUs)"
@@ -395,8 +533,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<24} {v:8.1f}", flush=True)
 
     scenarios = []
-    for spec in [s.strip() for s in a.scenarios.split(",") if s.strip()]:
+    specs = [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    coded = [i for i, s in enumerate(specs) if s.partition("@")[0] in CODECS]
+    if coded and "S1@nccl" not in specs[: coded[0]]:
+        specs.insert(coded[0], "S1@nccl")  # the baseline S6 and S7 are compared with
+    medians: dict[str, float] = {}  # scenario spec -> median sync seconds, for S6 / S7
+    s1_bytes = None
+    for spec in specs:
         sname, _, s_transport = spec.partition("@")
+        if sname == "S5":  # host memory -> every GPU, beside checkpoint-engine: bench/s5.py
+            from weightbus.bench import s5
+
+            entry = s5.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
+            scenarios.extend([entry] if entry else [])
+            continue
         if sname not in SCENARIOS:
             print(f"unknown scenario {sname!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
             return 2
@@ -439,6 +589,14 @@ def main(argv: list[str] | None = None) -> int:
         elif sname == "S2":
             ceiling = gbps["nccl_broadcast"] * n_r  # bytes delivered per second by a broadcast
             ratio = ceil["nccl_broadcast"] / stats["median_s"]
+        elif sname in CODECS:
+            # time relative to S1 over nccl (lower is better); GB/s are of bytes on the wire
+            sent = res[("writer-0", 0)]["sent"]
+            moved = int(statistics.median(sent)) if sent else moved
+            got = moved / stats["median_s"] / 1e9
+            ceiling = gbps["nccl_sendrecv"]
+            base = medians.get("S1@nccl")
+            ratio = stats["median_s"] / base if base else float("nan")
         else:
             ceiling = gbps["nccl_two_links"]
             ratio = got / ceiling
@@ -465,6 +623,20 @@ def main(argv: list[str] | None = None) -> int:
                 k: round(v, 4) for k, v in res[("reader-0", 0)]["phases"].items()
             },
         }
+        medians[spec] = stats["median_s"]
+        if spec == "S1@nccl":
+            s1_bytes = moved
+        if sname in CODECS:
+            entry["s1_nccl_median_s"] = round(medians.get("S1@nccl", float("nan")), 5)
+            entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
+        if sname == "S6":
+            r0 = res[("reader-0", 0)]
+            entry["equal_to_quantization"] = r0["equal_to_quantization"]
+            entry["error_over_fp8_bound"] = r0["error_over_bound"]
+            entry["quantize_gbps"] = round(_quantize_gbps(a.iters), 1)
+        if sname == "S7":
+            entry["changed_fraction"] = a.changed
+            entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
         scenarios.append(entry)
         print(
             f"  {sname}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "

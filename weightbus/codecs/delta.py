@@ -220,7 +220,9 @@ class DeltaPolicy:
         """What each reader says its live tensors hold as a sync begins (None: nothing this
         writer sent, e.g. the engine reloaded its weights); replaces what the acks implied."""
         if len(held) != self.num_readers:
-            raise ValueError(f"holding() needs {self.num_readers} readers' versions, got {len(held)}")
+            raise ValueError(
+                f"holding() needs {self.num_readers} readers' versions, got {len(held)}"
+            )
         self._held = [None if v is None else int(v) for v in held]
 
     def begin(self, version: int) -> DeltaDecision:

@@ -1,0 +1,461 @@
+"""Codecs end to end over gloo: real processes, Writer.sync -> Reader.wait through FP8 and deltas.
+
+* deltas: FSDP2-style DTensor writers (fp32, cast to bf16 on the wire) -> vLLM-style tensor
+  parallel readers, 22 syncs with about 1% of the elements changed each, checked bit for bit
+  after every sync; the readers start poisoned, and one reader poisons its tensors mid-run and
+  asks for a dense sync (what a reader that lost or missed a version does);
+* FP8: the same FSDP writers, whose shards cut quantization blocks (so they agree on amaxes
+  through their own all-reduce) -> one reader holding fused FP8 engine parameters and scales,
+  equal to the reference quantization and within the FP8 error bound;
+* a codec setting that differs between participants is refused at connect, naming both sides;
+  codecs never travel over a pulling transport.
+
+The two jobs run one after the other in the same processes (starting them is the slow part).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+import time
+import traceback
+import zlib
+from datetime import timedelta
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+STEPS = 22
+DENSE_AT = 9  # reader-1 loses its weights before this sync and asks for every byte
+FP8_STEPS = 3
+N_WRITERS = 2
+# small FP8 blocks, so the tiny model has many; FSDP over 2 cuts k_proj and v_proj (32 rows)
+# inside their first block row, and the fused qkv / gate_up components start on block edges
+BLOCK = 32
+
+
+def _canonical(model, version: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for t in model.tensors:
+        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()) * 1000 + version)
+        out[t.name] = torch.randn(t.shape, generator=g)
+    return out
+
+
+def _step(canon: dict[str, torch.Tensor], version: int, fraction: float = 0.01) -> None:
+    """Change about ``fraction`` of every tensor's elements, the same way in every process."""
+    for name, x in canon.items():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 7919 * version)
+        flat = x.view(-1)
+        n = max(1, int(fraction * flat.numel()))
+        idx = torch.randperm(flat.numel(), generator=g)[:n]
+        flat[idx] = torch.randn(n, generator=g)
+
+
+def _configs(port: int, job: str, n_r: int, **codecs):
+    from weightbus import ControlConfig, SyncConfig
+
+    control = ControlConfig(
+        num_writers=N_WRITERS if job != "refusal" else 1,
+        num_readers=n_r,
+        address=f"127.0.0.1:{port}",
+        host_store=False,
+        job=job,
+        timeout=timedelta(seconds=60),
+        heartbeat_interval=timedelta(seconds=0.2),
+        heartbeat_timeout=timedelta(seconds=2),
+    )
+    sync = SyncConfig(
+        cast={"float32": "bfloat16"},
+        bucket_bytes=1 << 20,
+        staging_buffers=2,
+        direct_bytes=4096,
+        sync_timeout=timedelta(seconds=30),
+        step_timeout=timedelta(seconds=60),
+        transport="gloo",
+        **codecs,
+    )
+    return control, sync
+
+
+def _writer(rank: int, port: int, q) -> None:
+    """A trainer rank: the delta job with 2 readers, then the FP8 job with 1."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from weightbus import Participant, Writer
+        from weightbus.codecs import DeltaConfig, Fp8Config
+        from weightbus.codecs.fp8 import all_reduce_max
+        from weightbus.layouts.dtensor import bind_dtensors
+        from weightbus.layouts.families import model_spec
+        from weightbus.plan import fill_from_canonical
+
+        torch.set_num_threads(1)
+        # the trainer's own process group: its DTensor mesh and the writers' FP8 amax exchange
+        store = dist.PrefixStore("trainer", dist.TCPStore("127.0.0.1", port, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=N_WRITERS)
+        mesh = init_device_mesh("cpu", (N_WRITERS,))
+        model = model_spec("tiny-llama")
+        me = Participant(role="writer", rank=rank)
+
+        def bind(canon):
+            return bind_dtensors(
+                {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in canon.items()}, me
+            )
+
+        canon = _canonical(model, 0)
+        bound = bind(canon)
+        control, sync = _configs(port, "delta", 2, delta=DeltaConfig(checksum_every=5))
+        writer = Writer(bound, control, sync)
+        writer.connect()
+        sent = []
+        for v in range(1, STEPS + 1):
+            _step(canon, v)
+            fill_from_canonical(bound.layout, canon, bound.tensors)
+            sent.append(writer.sync(v).bytes)
+        writer.close()
+        q.put(("delta", f"writer-{rank}", "ok", sent))
+
+        bound = bind(_canonical(model, 0))
+        control, sync = _configs(port, "fp8", 1, fp8=Fp8Config(block=BLOCK))
+        writer = Writer(bound, control, sync, amax_reduce=all_reduce_max())
+        writer.connect()
+        shared = writer.codec.scales.exchange_size
+        for v in range(1, FP8_STEPS + 1):
+            fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
+            writer.sync(v)
+        writer.close()
+        dist.destroy_process_group()
+        q.put(("fp8", f"writer-{rank}", "ok", shared))
+    except BaseException as exc:
+        q.put(("?", f"writer-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+def _reader(rank: int, port: int, q) -> None:
+    """An inference rank: reader of the delta job, then (rank 0) of the FP8 job."""
+    try:
+        torch.set_num_threads(1)
+        _delta_reader(rank, port, q)
+        if rank == 0:
+            _fp8_reader(rank, port, q)
+    except BaseException as exc:
+        q.put(("?", f"reader-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+def _delta_reader(rank: int, port: int, q) -> None:
+    """Checks every sync bit for bit, and how many bytes travelled."""
+    from weightbus import BoundLayout, Participant, Reader
+    from weightbus.codecs import DeltaConfig
+    from weightbus.layouts.families import model_spec
+    from weightbus.layouts.fused import engine_layout
+    from weightbus.plan import allocate, fill_from_canonical, poison
+
+    model = model_spec("tiny-llama")
+    layout = engine_layout(
+        model, Participant(role="reader", rank=rank), tp=2, tp_rank=rank, dtype="bfloat16"
+    )
+    tensors = allocate(layout)  # poisoned
+    control, sync = _configs(port, "delta", 2, delta=DeltaConfig(checksum_every=5))
+    reader = Reader(BoundLayout(layout=layout, tensors=tensors), control, sync)
+    reader.connect()
+    payload = sum(c.nbytes for op in reader.ops for c in op.copies)
+    canon = _canonical(model, 0)
+    bad, got = [], []
+    for v in range(1, STEPS + 1):
+        _step(canon, v)
+        if v == DENSE_AT and rank == 1:
+            for t in tensors.values():
+                poison(t)
+            reader.request_dense()
+        result = reader.wait()
+        got.append(result.bytes)
+        want = allocate(layout)
+        fill_from_canonical(layout, {n: x.to(torch.bfloat16) for n, x in canon.items()}, want)
+        for k in want:
+            if not torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)):
+                bad.append((result.version, k))
+    reader.close()
+    q.put(("delta", f"reader-{rank}", "ok" if not bad else "wrong", (got, payload, bad[:5])))
+
+
+def _fp8_reader(rank: int, port: int, q) -> None:
+    """Fused FP8 engine tensors and scales, poisoned before each sync, compared with the
+    reference quantization (the formula, in numpy) and the FP8 error bound."""
+    from tests.test_codec_fp8 import reference_quantize
+    from weightbus import BoundLayout, Participant, Reader
+    from weightbus.codecs import Fp8Config, quantized_layout
+    from weightbus.codecs.fp8 import scale_name
+    from weightbus.layouts.families import model_spec
+    from weightbus.layouts.fused import engine_layout
+    from weightbus.plan import allocate, poison
+
+    cfg = Fp8Config(block=BLOCK)
+    model = model_spec("tiny-llama")
+    layout = engine_layout(model, Participant(role="reader", rank=rank), dtype="bfloat16")
+    wire = quantized_layout(layout, cfg)
+    tensors = allocate(wire)
+    control, sync = _configs(port, "fp8", 1, fp8=cfg)
+    reader = Reader(BoundLayout(layout=wire, tensors=tensors), control, sync)
+    reader.connect()
+    quantized = {t.name for t in model.tensors if cfg.quantizes(t)}
+    bad, worst = [], 0.0
+    for v in range(1, FP8_STEPS + 1):
+        for t in tensors.values():
+            poison(t)
+        result = reader.wait()
+        canon = _canonical(model, v)
+        ref = {n: reference_quantize(canon[n], block=BLOCK) for n in quantized}
+        for p in wire.iter_pieces():
+            have = tensors[p.key][p.local_box.slices()]
+            base = p.tensor.removesuffix("_scale_inv")
+            if p.tensor in quantized:
+                q_ref, s_ref = ref[p.tensor]
+                exp = q_ref[p.box.slices()].reshape(have.shape)
+                got = have.float().double().numpy()
+                if not (
+                    np.array_equal(got, exp) and np.array_equal(np.signbit(got), np.signbit(exp))
+                ):
+                    bad.append((v, p.tensor, "fp8 values"))
+                # dequantized, within the bound of e4m3's rounding (see test_codec_fp8)
+                rows = np.arange(p.box.start[0], p.box.stop[0]) // BLOCK
+                cols = np.arange(p.box.start[1], p.box.stop[1]) // BLOCK
+                s = s_ref[np.ix_(rows, cols)].astype(np.float64)
+                x = canon[p.tensor][p.box.slices()].double().numpy()
+                bound = np.abs(x) * (2.0**-4 + 2.0**-20) + s * 2.0**-10
+                worst = max(worst, float((np.abs(x - got * s) / bound).max()))
+            elif p.tensor == scale_name(base) and base in quantized:
+                exp = ref[base][1][p.box.slices()]
+                if not np.array_equal(have.numpy(), exp.reshape(have.shape)):
+                    bad.append((v, p.tensor, "scales"))
+            else:
+                exp = canon[p.tensor][p.box.slices()].to(torch.bfloat16).reshape(have.shape)
+                if not torch.equal(have.view(torch.int16), exp.view(torch.int16)):
+                    bad.append((v, p.tensor, "bf16 values"))
+        if result.bytes != reader.bytes_per_sync:
+            bad.append(f"v{v}: {result.bytes} bytes, the plan says {reader.bytes_per_sync}")
+    reader.close()
+    if not 0.25 < worst <= 1.0:
+        bad.append(f"largest error / FP8 bound {worst:.3f}, expected in (0.25, 1]")
+    q.put(("fp8", f"reader-{rank}", "ok" if not bad else "wrong", (sorted(quantized), bad[:5])))
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict:
+    """Both jobs, run once by the same processes: {(job, participant): (status, payload)}."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(r, store.port, q)) for r in range(N_WRITERS)]
+    procs += [ctx.Process(target=_reader, args=(r, store.port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    expected = 2 * N_WRITERS + 3  # delta: every process; fp8: the writers and reader-0
+    deadline = time.monotonic() + 150
+    try:
+        while len(results) < expected and time.monotonic() < deadline:
+            try:
+                job, name, status, payload = q.get(timeout=0.5)
+                results[(job, name)] = (status, payload)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        assert not hung, f"processes left hanging: {hung}; results {results}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _job(jobs: dict, job: str, names: list[str]) -> dict:
+    failed = {k: v for k, v in jobs.items() if v[0] != "ok"}
+    assert not failed, failed
+    got = {name: payload for (j, name), (_, payload) in jobs.items() if j == job}
+    assert set(got) == set(names), jobs
+    return got
+
+
+@pytest.mark.timeout(200)
+def test_deltas_bit_exact_over_22_syncs_with_resharding_and_a_dense_request(jobs):
+    got = _job(jobs, "delta", ["writer-0", "writer-1", "reader-0", "reader-1"])
+    got0, payload0, _ = got["reader-0"]
+    got1, payload1, _ = got["reader-1"]
+    # the first sync is dense; then about 3% of the bytes travel (an index and a value per
+    # changed element), except in the sync reader-1 asked to be dense: the others stay sparse
+    assert got0[0] >= payload0 and got1[0] >= payload1, (got0, got1)
+    assert max(got0[1:]) < 0.2 * payload0, got0
+    assert max(got1[1 : DENSE_AT - 1] + got1[DENSE_AT:]) < 0.2 * payload1, got1
+    assert got1[DENSE_AT - 1] >= payload1, got1
+    sent = [a + b for a, b in zip(got["writer-0"], got["writer-1"], strict=True)]
+    assert sent == [a + b for a, b in zip(got0, got1, strict=True)]
+
+
+@pytest.mark.timeout(200)
+def test_fp8_with_writer_shards_cutting_blocks_matches_the_reference(jobs):
+    got = _job(jobs, "fp8", ["writer-0", "writer-1", "reader-0"])
+    assert got["writer-0"] > 0 and got["writer-1"] > 0  # amaxes were exchanged
+    quantized, _ = got["reader-0"]
+    assert "model.layers.0.self_attn.k_proj.weight" in quantized
+    assert not any("norm" in n or "embed" in n or "lm_head" in n for n in quantized)
+
+
+# ---------------------------------------------------------------------------------------------
+# connect-time refusals (participants as threads of this process)
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny_layout(role: str):
+    from weightbus import BoundLayout, LayoutBuilder, Participant
+    from weightbus.spec import Box
+
+    b = LayoutBuilder(Participant(role=role, rank=0))
+    b.add_tensor("a.weight", (64, 64), "bfloat16")
+    b.add_local("a.weight", (64, 64), "bfloat16")
+    b.add_piece("a.weight", Box.whole((64, 64)), "a.weight", Box.whole((64, 64)))
+    return BoundLayout(layout=b.build(), tensors={"a.weight": torch.zeros(64, 64).bfloat16()})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "writer_codecs, reader_codecs, words",
+    [
+        (
+            {"fp8": 16},
+            {},
+            ["writer-0 with FP8 and no deltas", "reader-0 with no FP8 and no deltas"],
+        ),
+        (
+            {},
+            {"delta": True},
+            ["writer-0 with no FP8 and no deltas", "reader-0 with no FP8 and deltas"],
+        ),
+        ({"fp8": 16}, {"fp8": 32}, ["the same codecs with other settings"]),
+    ],
+)
+def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
+    writer_codecs, reader_codecs, words
+):
+    from weightbus import BoundLayout, PlanMismatch, Reader, Writer
+    from weightbus.codecs import DeltaConfig, Fp8Config
+    from weightbus.codecs.fp8 import quantized_layout
+    from weightbus.plan import allocate
+
+    def codecs(spec):
+        out = {}
+        if "fp8" in spec:
+            out["fp8"] = Fp8Config(block=spec["fp8"])
+        if spec.get("delta"):
+            out["delta"] = DeltaConfig()
+        return out
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    errors: dict[str, BaseException] = {}
+
+    def run(role, spec):
+        try:
+            control, sync = _configs(store.port, "refusal", 1, **codecs(spec))
+            bound = _tiny_layout(role)
+            if role == "reader" and "fp8" in spec:
+                wire = quantized_layout(bound.layout, sync.fp8)
+                bound = BoundLayout(layout=wire, tensors=allocate(wire))
+            side = (Writer if role == "writer" else Reader)(bound, control, sync)
+            side.connect()
+            side.close()
+        except BaseException as exc:
+            errors[role] = exc
+
+    threads = [
+        threading.Thread(target=run, args=("writer", writer_codecs)),
+        threading.Thread(target=run, args=("reader", reader_codecs)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=45)
+    assert set(errors) == {"writer", "reader"}, errors
+    for role, exc in errors.items():
+        assert isinstance(exc, PlanMismatch), (role, exc)
+        text = str(exc)
+        assert "disagree on the codecs" in text and "SyncConfig.fp8" in text, text
+        for w in words:
+            assert w in text, (role, text)
+
+
+def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):
+    from weightbus._session import _select_transport
+    from weightbus.codecs import DeltaConfig, Fp8Config
+    from weightbus.plan.codec_plan import CodecConfig
+    from weightbus.spec import Participant
+    from weightbus.transports import base
+
+    class Pulling(base.Transport):
+        name = "test-pulling"
+        devices = frozenset({"cpu"})
+        cross_host = True
+        pulls = True
+        priority = 100  # above gloo: the automatic choice without codecs
+
+    monkeypatch.setitem(base._REGISTRY, Pulling.name, Pulling)
+    monkeypatch.delenv(base.TRANSPORT_ENV, raising=False)
+    people = (Participant(role="writer", rank=0), Participant(role="reader", rank=0))
+    plan = SimpleNamespace(participants=people)
+    me = people[0]
+    plain, fp8 = CodecConfig(), CodecConfig(fp8=Fp8Config())
+    assert _select_transport("auto", plan, me, plain).name == "test-pulling"
+    assert _select_transport("auto", plan, me, fp8).name == "gloo"
+    delta = CodecConfig(delta=DeltaConfig())
+    with pytest.raises(
+        ValueError,
+        match=r"bf16\+delta need a transport whose writers encode.*"
+        r"'test-pulling' pulls.*use transport 'nccl' or 'gloo'",
+    ):
+        _select_transport("test-pulling", plan, me, delta)
+    monkeypatch.setenv(base.TRANSPORT_ENV, "test-pulling")
+    with pytest.raises(ValueError, match="pulls straight from the writers' tensors"):
+        _select_transport("auto", plan, me, fp8)
+
+
+def test_fp8_reader_must_bind_fp8_tensors():
+    from weightbus import ControlConfig, LayoutError, Reader, SyncConfig
+    from weightbus.codecs import Fp8Config
+
+    sync = SyncConfig(fp8=Fp8Config())
+    reader = Reader(_tiny_layout("reader"), ControlConfig(num_writers=1, num_readers=1), sync)
+    with pytest.raises(LayoutError, match=r"reader 'reader-0': FP8 is on.*a.weight as bfloat16"):
+        reader._wire_layout(sync.codecs())
+    with pytest.raises(TypeError, match="fp8=.*must be a weightbus.codecs.Fp8Config"):
+        SyncConfig(fp8={"block": 128})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(600)
+def test_fp8_and_delta_syncs_over_nccl_between_gpus(tmp_path):
+    """S6 and S7 of ``weightbus bench gpu`` on a small model: Writer/Reader over NCCL with FP8
+    (equal to the quantization on the GPU, within the bound) and with deltas (bit exact after
+    the sparse syncs, and after a dense one into poisoned tensors)."""
+    import json
+
+    from weightbus.bench import gpu
+
+    args = ["--scenarios", "S6,S7", "--model", "tiny-llama", "--iters", "2", "--warmup", "1"]
+    args += ["--bucket-mb", "1", "--fp8-block", "32", "--out", str(tmp_path), "--kind", "test"]
+    assert gpu.main(args) == 0
+    result = json.loads(next(tmp_path.glob("*.json")).read_text())
+    by_name = {s["name"]: s for s in result["scenarios"]}
+    assert set(by_name) == {"S1@nccl", "S6", "S7"}
+    for s in by_name.values():
+        assert s["bit_exact"] and s["transport"] == "nccl", s
+    assert by_name["S6"]["equal_to_quantization"] and by_name["S6"]["error_over_fp8_bound"] <= 1
+    # a tiny model's bf16 embeddings weigh much (llama-3-8b: FP8 bytes ~0.57 of bf16)
+    assert by_name["S6"]["wire_fraction_of_s1"] < 0.8 and by_name["S6"]["quantize_gbps"] > 0
+    assert by_name["S7"]["exact_before_dense"] and by_name["S7"]["wire_fraction_of_s1"] < 0.5
