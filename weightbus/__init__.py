@@ -14,6 +14,7 @@ Inference side::
 """
 
 from weightbus._session import SyncConfig, SyncResult
+from weightbus.codecs import DeltaConfig, Fp8Config
 from weightbus.control.store import ControlConfig
 from weightbus.errors import PeerFailure, PlanMismatch, SyncTimeout, WeightbusError
 from weightbus.plan import PlanOptions, TransferPlan, make_plan
@@ -37,6 +38,8 @@ __all__ = [
     "BoundLayout",
     "Box",
     "ControlConfig",
+    "DeltaConfig",
+    "Fp8Config",
     "Layout",
     "LayoutBuilder",
     "LayoutError",
