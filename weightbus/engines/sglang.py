@@ -35,7 +35,6 @@ fails on the expert shapes), quantized models (see :mod:`weightbus.engines.vllm`
 
 from __future__ import annotations
 
-import concurrent.futures
 import inspect
 import json
 import logging
@@ -51,6 +50,7 @@ from torch import nn
 
 from weightbus._session import SyncConfig, SyncResult
 from weightbus.control.store import ControlConfig
+from weightbus.engines._concurrent import beside
 from weightbus.engines.vllm import InitInfo, Receiver
 from weightbus.errors import WeightbusError
 from weightbus.layouts.families import ModelSpec, model_spec
@@ -330,19 +330,7 @@ class SGLangWeightSync:
             raise WeightbusError(f"SGLang engine refused the update: {out[1:]}")
 
     def _both(self, calls: list, local) -> Any:
-        if not calls:
-            return local()
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(calls))
-        futures = [pool.submit(c) for c in calls]
-        try:
-            out = local()
-            for f in futures:
-                f.result()
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
-        return out
+        return beside(calls, local)
 
     def connect(self) -> None:
         offsets, total = [], 0

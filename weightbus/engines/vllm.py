@@ -49,7 +49,7 @@ Pipeline parallel vLLM engines, LoRA-extended vocabularies, expert-parallel load
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import json
 import logging
 import socket
@@ -65,6 +65,7 @@ from torch import nn
 
 from weightbus._session import SyncConfig, SyncResult
 from weightbus.control.store import ControlConfig
+from weightbus.engines._concurrent import beside
 from weightbus.errors import WeightbusError
 from weightbus.layouts.families import ModelSpec, model_spec
 from weightbus.layouts.fused import EXPERT_PLACEMENTS, engine_layout, expert_ids, kv_head_range
@@ -904,20 +905,7 @@ class VLLMWeightSync:
 
     def _both(self, call: Callable[[Any], None], local: Callable[[], Any]) -> Any:
         """Run ``call(server)`` for every server on threads while ``local()`` runs here."""
-        if not self.servers:
-            return local()
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.servers))
-        futures = [pool.submit(call, s) for s in self.servers]
-        try:
-            out = local()
-            for f in futures:
-                f.result()
-        except BaseException:
-            # the workers may still be blocked on their side; do not wait for them here
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
-        return out
+        return beside([functools.partial(call, s) for s in self.servers], local)
 
     def connect(self) -> None:
         """Connect the writer and, from rank 0, every server's workers (they connect together)."""
