@@ -84,7 +84,7 @@ def test_demo_runs_and_checks_and_status_watches_it():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     demo = subprocess.Popen(
-        [sys.executable, "-m", "weightbus.cli", "demo", "--size", "tiny", "--steps", "6"]
+        [sys.executable, "-m", "weightbus.cli", "demo", "--size", "tiny", "--steps", "30"]
         + ["--timeout", "120", "--store-port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -110,7 +110,7 @@ def test_demo_runs_and_checks_and_status_watches_it():
         if demo.poll() is None:
             demo.kill()
     assert demo.returncode == 0, out + err
-    assert out.strip().splitlines()[-1].startswith("demo ok: steps=6 bytes="), out
+    assert out.strip().splitlines()[-1].startswith("demo ok: steps=30 bytes="), out
     assert out.strip().endswith("bit_exact=True generation_match=True")
     assert seen is not None, (
         "weightbus status never showed the running demo's participants and a sync"
