@@ -12,6 +12,7 @@ __all__ = [
     "MembershipError",
     "PeerFailure",
     "PlanMismatch",
+    "ProtocolError",
     "SyncTimeout",
     "WeightbusError",
 ]
@@ -57,3 +58,8 @@ class MembershipError(WeightbusError, ValueError):
 
 class AccessDenied(WeightbusError, PermissionError):
     """A participant presented a shared-secret token that does not match the job's."""
+
+
+class ProtocolError(WeightbusError):
+    """A participant posted a control message that is malformed: not what the protocol allows
+    for that topic (missing or unknown fields, wrong types, undecodable bytes)."""

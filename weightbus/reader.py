@@ -12,6 +12,7 @@ import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
 from weightbus.codecs.delta import directory_bytes, encoded_size
+from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
 from weightbus.plan.program import BucketOp, unpack
@@ -97,6 +98,7 @@ class Reader(_Session):
                 f"begin/{seq}",
                 role="writer",
                 timeout=cfg.step_timeout if timeout is None else timeout,
+                schema=BEGIN,
             )
         except SyncTimeout:
             raise  # no sync began: nothing is half done, the reader may wait again
@@ -154,9 +156,18 @@ class Reader(_Session):
                 phases["transfer" if transport.pulls else "unpack"] += time.perf_counter() - t
             t = time.perf_counter()
             control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
-            control.gather(
-                f"commit/{seq}", names=[self.plan.writers[0].name], timeout=deadline.left()
+            commit = control.gather(
+                f"commit/{seq}",
+                names=[self.plan.writers[0].name],
+                timeout=deadline.left(),
+                schema=COMMIT,
             )
+            committed = next(iter(commit.values()))["version"]
+            if committed != version:
+                raise WeightbusError(
+                    f"{self.name}: writer {self.plan.writers[0].name!r} committed version "
+                    f"{committed}, this sync carried {version}"
+                )
             phases["control"] += time.perf_counter() - t
             if self.codec is not None:
                 self.codec.end(version)

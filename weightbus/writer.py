@@ -11,6 +11,7 @@ import torch
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
 from weightbus.codecs.delta import directory_bytes
 from weightbus.codecs.fp8 import AmaxReduce
+from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, WriterCodec, rest_tag
 from weightbus.plan.program import BucketOp, pack
@@ -117,7 +118,7 @@ class Writer(_Session):
             phases["transfer"] += time.perf_counter() - t
 
             t = time.perf_counter()
-            acks = control.gather(f"ack/{seq}", role="reader", timeout=deadline.left())
+            acks = control.gather(f"ack/{seq}", role="reader", timeout=deadline.left(), schema=ACK)
             bad = {
                 name: a
                 for name, a in acks.items()
@@ -159,7 +160,9 @@ class Writer(_Session):
             # deltas: each reader says what its tensors hold, so one that missed a version
             # or lost its weights gets every byte
             t = time.perf_counter()
-            states = control.gather(f"holds/{seq}", role="reader", timeout=deadline.left())
+            states = control.gather(
+                f"holds/{seq}", role="reader", timeout=deadline.left(), schema=HOLDS
+            )
             index = {lay.name: i for i, lay in enumerate(self.plan.readers)}
             held: list[int | None] = [None] * len(index)
             for name, state in states.items():

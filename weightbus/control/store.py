@@ -57,6 +57,7 @@ from weightbus.errors import (
     MembershipError,
     PeerFailure,
     PlanMismatch,
+    ProtocolError,
     SyncTimeout,
     WeightbusError,
 )
@@ -69,6 +70,8 @@ __all__ = [
     "ControlConfig",
     "ControlPlane",
     "Roster",
+    "Schema",
+    "check_message",
 ]
 
 logger = logging.getLogger(__name__)
@@ -262,12 +265,58 @@ def _encode(value: bytes | bytearray | memoryview | dict) -> bytes:
     )
 
 
+Schema = dict[str, Any]
+"""A message's fields: name -> a type or a tuple of types (``type(None)`` for optional)."""
+
+BEGIN: Schema = {"version": int}
+"""``begin/<seq>``, from each writer: the version this sync carries."""
+ACK: Schema = {"version": int, "ok": bool, "bytes": int}
+"""``ack/<seq>``, from each reader: the version it now holds, and the bytes it received."""
+COMMIT: Schema = {"version": int}
+"""``commit/<seq>``, from writer rank 0: the version every reader acknowledged."""
+HOLDS: Schema = {"holds": (int, type(None)), "checksum": bool}
+"""``holds/<seq>``, from each reader with deltas: the version its tensors hold (None: not
+one the writers sent), and whether it asks for checksums."""
+
+
+def check_message(value: Any, schema: Schema, who: str, topic: str) -> dict:
+    """``value`` if it is a dict with exactly ``schema``'s fields, of its types, else raise
+    :class:`ProtocolError` naming the participant, the topic and what is wrong. Messages come
+    from other processes: nothing is used before it passes. ``bool`` is not taken for ``int``,
+    and integers must fit in 64 bits."""
+    if not isinstance(value, dict):
+        raise ProtocolError(
+            f"{who} posted {topic!r} as {type(value).__name__}, not a message with fields "
+            f"{sorted(schema)}: is it running the same weightbus version?"
+        )
+    if set(value) != set(schema):
+        raise ProtocolError(
+            f"{who} posted {topic!r} with fields {sorted(map(str, value))}, the protocol has "
+            f"{sorted(schema)}: is it running the same weightbus version?"
+        )
+    for name, kinds in schema.items():
+        v = value[name]
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        ok = any((type(v) is k) if k in (int, bool) else isinstance(v, k) for k in kinds) and not (
+            type(v) is int and not -(2**63) <= v < 2**63
+        )
+        if not ok:
+            want = " or ".join(k.__name__ for k in kinds)
+            raise ProtocolError(
+                f"{who} posted {topic!r} with {name}={v!r:.60}: the protocol wants {want}"
+            )
+    return value
+
+
 def _decode(data: bytes) -> bytes | dict:
     kind, body = data[:1], data[1:]
     if kind == b"b":
         return body
     if kind == b"m":
-        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except (ValueError, TypeError, msgpack.exceptions.ExtraData) as e:
+            raise ProtocolError(f"a control message is not valid msgpack: {e}") from None
     raise WeightbusError(f"store value of unknown kind {kind!r}: is another program using the key?")
 
 
@@ -656,8 +705,12 @@ class ControlPlane:
         role: str | None = None,
         names: Sequence[str] | None = None,
         timeout: timedelta | None = None,
+        schema: Schema | None = None,
     ) -> dict[str, bytes | dict]:
         """Wait until every participant (of ``role``, or in ``names``) has posted ``topic``.
+
+        With ``schema``, every value must be a message with exactly those fields and types
+        (:func:`check_message`), else :class:`ProtocolError` names who posted what.
 
         Returns ``{name: value}`` in global order. Raises :class:`PeerFailure` as soon as any
         participant reports a failure, stops sending heartbeats, or closes without posting,
@@ -694,7 +747,15 @@ class ControlPlane:
                 )
             backoff.sleep(deadline)
         values = self._call(store.multi_get, keys)
-        return {n: _decode(v) for n, v in zip(targets, values, strict=True)}
+        out = {}
+        for n, v in zip(targets, values, strict=True):
+            try:
+                out[n] = _decode(v)
+            except ProtocolError as e:
+                raise ProtocolError(f"{_who(self._roster[n])}, topic {topic!r}: {e}") from None
+            if schema is not None:
+                check_message(out[n], schema, _who(self._roster[n]), topic)
+        return out
 
     def barrier(
         self, topic: str, role: str | None = None, timeout: timedelta | None = None
