@@ -265,16 +265,130 @@ def test_cli_kimi_k2_prediction():
 
 
 def test_cli_scenario_with_measured_figures_and_errors(capsys):
-    assert plan_cli.main(["--simulate", "--preset", "S2", "--measured", str(RESULTS)]) == 0
+    args = ["--simulate", "--preset", "S2", "--measured", str(RESULTS)]
+    assert plan_cli.main([*args, "--transport", "staged"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"measured\s+S2@nccl over nccl: 137\.\d+ ms median", out)
     assert out.strip().splitlines()[-1].startswith("simulate preset=S2 writers=1 readers=3")
-    assert plan_cli.main(["--simulate", "--preset", "S4", "--nvlink-gbps", "100", "--json"]) == 0
+    # the preset's default is the bench's: cuda_ipc, compared with the plain S2 entry
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"measured\s+S2 over cuda_ipc: 50\.\d+ ms median", out)
+    assert "longest relay chain 2 hop(s)" in out
+    assert (
+        plan_cli.main(
+            ["--simulate", "--preset", "S3", "--transport", "staged", "--measured", str(RESULTS)]
+        )
+        == 0
+    )
+    assert "none for this scenario over staged" in capsys.readouterr().out
+    flags = ["--nvlink-gbps", "100", "--transport", "staged", "--json"]
+    assert plan_cli.main(["--simulate", "--preset", "S4", *flags]) == 0
     sim = json.loads(capsys.readouterr().out)["simulation"]
     assert sim["cluster"]["nvlink_gbps"] == 100 and sim["phases"]["nvlink"] > 0
+    assert plan_cli.main(["--simulate", "--preset", "S4", "--ipc-gbps", "100", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulation"]
+    assert sim["options"]["transport"] == "cuda_ipc" and sim["phases"]["copies"] > 0.08
     with pytest.raises(SystemExit) as exc:
         plan_cli.main(["--preset", "S1"])
     assert exc.value.code == 2 and "add --simulate" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         plan_cli.main(["--simulate", "--model", "tiny-llama", "--writers", "whole"])
     assert exc.value.code == 2 and "give --readers" in capsys.readouterr().err
+
+
+# ---- CUDA IPC -------------------------------------------------------------------------------
+
+IPC = SimOptions(transport="cuda_ipc")
+
+
+def _ipc_cluster(**kw) -> Cluster:
+    base = dict(gpus_per_node=4, nics_per_node=0, ipc_gbps=10, copy_gbps=100, ipc_call_s=0.0)
+    return Cluster(**{**base, "ipc_control_s": 1e-3, **kw})
+
+
+def test_ipc_one_copy_local_copy_and_calls_by_hand():
+    plan = _plan("whole", "whole")
+    total = plan.stats.total_bytes
+    pred = simulate(plan, _ipc_cluster(), IPC)
+    assert pred.phases["copies"] == pytest.approx(total / (10 * GBs))
+    assert pred.seconds == pytest.approx(total / (10 * GBs) + 1e-3)
+    assert pred.stats["packed_bytes"] == pred.stats["unpacked_bytes"] == 0
+    assert pred.stats["nvlink_bytes"] == total and pred.stats["copies"] == len(plan.routes)
+    colocated = simulate(
+        plan, _ipc_cluster(), SimOptions(transport="cuda_ipc", placement="colocated")
+    )
+    assert colocated.stats["local_bytes"] == total
+    assert colocated.phases["copies"] == pytest.approx(total / (100 * GBs))
+    # queueing the copies costs CPU; it overlaps the copies, and counts once it is slower
+    slow_calls = simulate(plan, _ipc_cluster(ipc_call_s=1.0), IPC)
+    assert slow_calls.seconds == pytest.approx(len(plan.routes) * 1.0 + 1e-3)
+
+
+def test_ipc_rotation_keeps_two_by_two_disjoint():
+    # two writer halves -> two whole readers, relays off: reader 0 takes writer 0 then 1,
+    # reader 1 writer 1 then 0, so two disjoint copies run at full rate all along
+    plan = _plan("fsdp:shard=2", "whole:replicas=2")
+    model = plan.stats.total_bytes / 2
+    pred = simulate(plan, _ipc_cluster(), SimOptions(transport="cuda_ipc", fanout=False))
+    assert pred.phases["copies"] == pytest.approx(model / (10 * GBs), rel=1e-6)
+    # one writer to two readers at once: its copies share it, 10 GB/s in all
+    plan = _plan("whole", "whole:replicas=2")
+    pred = simulate(plan, _ipc_cluster(), SimOptions(transport="cuda_ipc", fanout=False))
+    assert pred.phases["copies"] == pytest.approx(2 * model / (10 * GBs), rel=1e-6)
+
+
+def test_ipc_relay_chain_one_chunk_behind_per_hop():
+    plan = _plan("whole", "whole:replicas=3")
+    model = plan.stats.total_bytes / 3
+    pred = simulate(plan, _ipc_cluster(), IPC)
+    assert pred.stats["relay_hops"] == 2
+    assert pred.stats["forward_bytes"] == pytest.approx(2 * model)
+    # each hop runs at the full rate, starting one chunk (1/32 of the relayed bytes) later
+    assert pred.phases["copies"] == pytest.approx((model + 2 * model / 32) / (10 * GBs), rel=1e-6)
+    # without relays the writer's copy engines serve the three readers at once: 10 GB/s in all
+    no_relay = simulate(plan, _ipc_cluster(), SimOptions(transport="cuda_ipc", fanout=False))
+    assert no_relay.phases["copies"] == pytest.approx(3 * model / (10 * GBs), rel=1e-6)
+    # the chain (lag included) scales with the copy rate
+    slow = simulate(plan, _ipc_cluster(ipc_gbps=5), IPC)
+    assert slow.phases["copies"] == pytest.approx(2 * pred.phases["copies"], rel=1e-6)
+
+
+def test_ipc_refuses_what_it_cannot_do():
+    plan = _plan("whole", "whole")
+    with pytest.raises(ValueError, match="within one host.*transport='staged'"):
+        simulate(
+            plan, _two_nodes(gpus_per_node=1), SimOptions(transport="cuda_ipc", placement="nodes")
+        )
+    with pytest.raises(ValueError, match="wire='fp8' need transport='staged'"):
+        simulate(plan, _ipc_cluster(), SimOptions(transport="cuda_ipc", wire="fp8"))
+    with pytest.raises(ValueError, match="transport='rdma' is not one of"):
+        SimOptions(transport="rdma")
+
+
+def test_h200_cuda_ipc_predictions_against_the_bench_results():
+    results = json.loads(RESULTS.read_text())
+    c = CLUSTERS["h200x4"]
+    assert c.ipc_gbps == results["ceilings"]["ipc_pull_gbps"]
+    assert c.copy_gbps == results["ceilings"]["d2d_copy_gbps"]
+    # ipc_control_s is the one value fitted for CUDA IPC: S1's measured time less its copies
+    s1 = measured(results, "S1")
+    assert s1["transport"] == "cuda_ipc"
+    fit = s1["median_s"] - s1["bytes"] / (c.ipc_gbps * 1e9)
+    assert fit == pytest.approx(c.ipc_control_s, rel=0.02)
+    for name in ("S1", "S2", "S3", "S4"):
+        sc = SCENARIOS[name]
+        assert sc.options.transport == "cuda_ipc"
+        m = measured(results, sc.bench)
+        assert m["transport"] == "cuda_ipc", name
+        pred = simulate(_scenario_plan(name), c, sc.options)
+        assert abs(relative_error(pred.seconds, m["median_s"])) < 0.2, (name, pred.seconds)
+
+
+def test_h200_staged_model_unchanged():
+    # the NCCL (staged) predictions as README's table has them, before CUDA IPC was modelled
+    c = CLUSTERS["h200x4"]
+    staged = SimOptions(transport="staged")
+    for name, ms in (("S1", 50.15), ("S2", 148.43), ("S4", 29.86)):
+        pred = simulate(_scenario_plan(name), c, staged)
+        assert pred.seconds * 1e3 == pytest.approx(ms, abs=0.01), name

@@ -81,6 +81,8 @@ _CLUSTER_FLAGS = {
     "message_us": ("message_s", float, 1e-6),
     "latency_us": ("latency_s", float, 1e-6),
     "flows_per_nic": ("max_flows_per_nic", int, 1),
+    "ipc_gbps": ("ipc_gbps", float, 1),
+    "ipc_control_ms": ("ipc_control_s", float, 1e-3),
 }
 
 
@@ -100,6 +102,12 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="a scenario: model, both layouts, cluster and options (explicit flags win)",
     )
     g.add_argument("--cluster", choices=sorted(sim.CLUSTERS), help="cluster description")
+    g.add_argument(
+        "--transport",
+        choices=sim.TRANSPORTS,
+        help="staged: pushes through staging buffers (NCCL, gloo, RDMA); cuda_ipc: readers pull "
+        "with the copy engines, one host (default: the scenario's, else staged)",
+    )
     g.add_argument("--wire", choices=sim.WIRES, help="wire format: plan dtype, or fp8 blocks")
     g.add_argument("--placement", choices=sim.PLACEMENTS, help="where participants sit")
     g.add_argument("--writer-memory", choices=("gpu", "host"), help="where writers hold weights")
@@ -131,6 +139,8 @@ def _simulation(a: argparse.Namespace) -> tuple[sim.Scenario | None, sim.Cluster
         cluster = dataclasses.replace(cluster, name=cluster.name + "*", **over)
     options = scenario.options if scenario else sim.SimOptions()
     changes: dict = {}
+    if a.transport:
+        changes["transport"] = a.transport
     if a.wire:
         changes["wire"] = a.wire
     if a.placement:
@@ -151,15 +161,21 @@ def _simulation(a: argparse.Namespace) -> tuple[sim.Scenario | None, sim.Cluster
 def _measured_line(path: str, bench_name: str | None, pred: sim.Prediction, nbytes: int) -> str:
     with open(path) as f:
         results = json.load(f)
-    # the model is of staged, pushing transports: compare with the run over nccl when the
-    # file has one (the scenario's plain name may have run over CUDA IPC)
+    # the entry of this scenario run over the simulated transport: cuda_ipc for cuda_ipc,
+    # else a pushing transport (nccl first); the plain name is the bench's default transport
+    ipc = pred.options.transport == "cuda_ipc"
     m = None
-    for name in (f"{bench_name}@nccl", bench_name) if bench_name else ():
-        m = sim.measured(results, name)
-        if m is not None:
-            break
+    if bench_name:
+        names = (
+            (bench_name, f"{bench_name}@cuda_ipc") if ipc else (f"{bench_name}@nccl", bench_name)
+        )
+        for name in names:
+            m = sim.measured(results, name)
+            if m is not None and (m.get("transport") == "cuda_ipc") == ipc:
+                break
+            m = None
     if m is None:
-        return f"  measured       none for this scenario in {path}"
+        return f"  measured       none for this scenario over {pred.options.transport} in {path}"
     err = sim.relative_error(pred.seconds, m["median_s"])
     return (
         f"  measured       {m['name']} over {m.get('transport', '?')}: "

@@ -67,13 +67,38 @@ Combining phases
     participant posts and completes its messages one by one), plus ``control_s`` (begin, acks,
     commit). ``pipelined=False`` adds the phases instead.
 
+CUDA IPC (``transport="cuda_ipc"``; everything above is the default ``"staged"`` model)
+    Readers pull straight from the writers' GPU memory on one host (more nodes, host memory
+    or ``wire="fp8"`` are refused): no staging, no packing, no per-bucket message. Every route
+    is one copy-engine copy (contiguous or 2-D strided, both assumed at full rate); a route
+    that casts runs a copy kernel instead, assumed at the same rate (not measured). Relays:
+    buckets that a writer sends several readers with the same source regions in the same order
+    (engine replicas, replicated norms of tensor-parallel readers) are pulled by the first of
+    those readers from the writer and by each next one from the reader before it (``fanout=
+    False`` turns relays off). A reader takes its sources (writers, upstream readers) one at a
+    time, sorted writers first, starting at source ``i mod n`` for reader ``i``. A fluid
+    simulation runs those per-reader sequences: between events, a same-GPU copy runs at
+    ``copy_gbps`` (bytes copied per second) shared among that GPU's same-GPU copies, and a
+    copy between GPUs at ``ipc_gbps / (copies out of its source GPU x copies into its
+    destination GPU)``. That rule reproduces the patterns measured with raw copies on the
+    bench host: one copy 392.7 GB/s, two disjoint pairs ~787 in all, one GPU to three ~395 in
+    all, 2 x 2 crossing copies ~400 in all; a 3-hop chain measured ~380 per hop, where the rule
+    says 392.7 (no cost for a GPU that receives and sends at once). A relayed copy starts once
+    its upstream reader has done one chunk (1/32 of what that reader relays) and runs no faster
+    than its upstream while one chunk behind. Queueing a copy costs the reader ``ipc_call_s``
+    of CPU, overlapped with the copies (the slower of the two counts), and a sync adds
+    ``ipc_control_s`` (begin, acknowledgements, commit). Left out: copies of different readers
+    competing for one GPU's memory bandwidth beyond that rule, stream and event waits.
+
 Machines (:data:`CLUSTERS`)
     ``h200x4``: the project's 4 x H200 bench host, one node, no network; NVLink, copy and PCIe
     rates are the ceilings measured in ``bench/results/2026-11-21-4xh200.json``. ``message_s``
-    is the one fitted value, from that file's S1@nccl; S2@nccl and S4@nccl are then
-    predictions. The model is of staged, pushing transports (NCCL, gloo, RDMA): the CUDA IPC
-    pulls that S1-S4 now use by default (copy engines, relay chains, one source at a time)
-    are not modelled yet, nor is S3 or S5. ``h200-8x400g``: the same GPUs, 8 per node, one 400 Gb/s RDMA NIC
+    is the one value fitted for the staged model, from that file's S1@nccl; S2@nccl and
+    S4@nccl are then predictions. ``ipc_gbps`` is that file's copy-engine peer copy ceiling
+    (392.7); ``ipc_control_s`` (1.53 ms) is the one value fitted for CUDA IPC, from its S1
+    (over cuda_ipc, the bench's default on one host); S2-S4 over cuda_ipc are predictions.
+    ``ipc_call_s`` (5 us) is assumed ("a few microseconds" per memcpy call), not fitted. S5
+    (host memory) is not measured. ``h200-8x400g``: the same GPUs, 8 per node, one 400 Gb/s RDMA NIC
     each; the NIC rate is the line rate times an assumed 90% efficiency (not measured here:
     the project's machines have no RDMA NIC).
 
@@ -152,6 +177,12 @@ class Cluster:
     """Incast limit: most flows that may send into one NIC at once."""
     control_s: float = 1e-3
     """Seconds per sync on the control plane (begin, acknowledgements, commit)."""
+    ipc_gbps: float = 392.7
+    """CUDA IPC: GB/s of one copy-engine copy from one GPU to another of its node, alone."""
+    ipc_call_s: float = 5e-6
+    """CUDA IPC: CPU seconds a reader spends queueing one route's memcpy (overlaps the copies)."""
+    ipc_control_s: float = 1e-3
+    """CUDA IPC: seconds per sync on the control plane (begin, acknowledgements, commit)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "max_flows_per_nic"):
@@ -163,7 +194,14 @@ class Cluster:
             raise ValueError(
                 f"Cluster {self.name!r}: nics_per_node={self.nics_per_node} is negative"
             )
-        for name in ("nic_gbits", "nvlink_gbps", "pcie_gbps", "copy_gbps", "host_copy_gbps"):
+        for name in (
+            "nic_gbits",
+            "nvlink_gbps",
+            "pcie_gbps",
+            "copy_gbps",
+            "host_copy_gbps",
+            "ipc_gbps",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(
                     f"Cluster {self.name!r}: {name}={getattr(self, name)} must be positive"
@@ -173,7 +211,7 @@ class Cluster:
                 raise ValueError(
                     f"Cluster {self.name!r}: {name}={getattr(self, name)} must be in (0, 1]"
                 )
-        for name in ("message_s", "latency_s", "control_s"):
+        for name in ("message_s", "latency_s", "control_s", "ipc_call_s", "ipc_control_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Cluster {self.name!r}: {name}={getattr(self, name)} is negative")
         nic = tuple(int(x) for x in self.gpu_nic)
@@ -214,11 +252,14 @@ class Cluster:
         return (
             f"{self.name}: {self.gpus_per_node} GPUs per node, {net}; NVLink {self.nvlink_gbps:g} "
             f"GB/s per GPU, PCIe {self.pcie_gbps:g} GB/s, device copy {self.copy_gbps:g} GB/s; "
-            f"{self.message_s * 1e6:g} us per message, {self.control_s * 1e3:g} ms control"
+            f"{self.message_s * 1e6:g} us per message, {self.control_s * 1e3:g} ms control; "
+            f"CUDA IPC peer copy {self.ipc_gbps:g} GB/s, {self.ipc_call_s * 1e6:g} us per copy "
+            f"call, {self.ipc_control_s * 1e3:g} ms control"
         )
 
 
 WIRES = ("plan", "fp8")
+TRANSPORTS = ("staged", "cuda_ipc")
 PLACEMENTS = ("auto", "packed", "nodes", "colocated")
 
 
@@ -240,6 +281,9 @@ class SimOptions:
     """Phases overlap (the slowest sets the time); False adds them up."""
     chunk_bytes: int | None = None
     """Network schedule unit; None: the plan's bucket size."""
+    transport: str = "staged"
+    """"staged": pushing transports through staging buffers (NCCL, gloo, RDMA); "cuda_ipc":
+    readers pull with the copy engines, one host only (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:
@@ -248,6 +292,8 @@ class SimOptions:
             raise ValueError(f"placement={self.placement!r} is not one of {PLACEMENTS}")
         if self.writer_memory not in ("gpu", "host"):
             raise ValueError(f"writer_memory={self.writer_memory!r} must be 'gpu' or 'host'")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
         if self.chunk_bytes is not None and self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must be positive (or None)")
 
@@ -291,7 +337,11 @@ class Prediction:
             f"(fan-out {_gb(s['forward_bytes'])}), PCIe {_gb(s['pcie_bytes'])}, same GPU "
             f"{_gb(s['local_bytes'])}; fan-out saved {_gb(s['fanout_saved_bytes'])} of network/PCIe",
             f"  staged         pack {_gb(s['packed_bytes'])} on writers, unpack "
-            f"{_gb(s['unpacked_bytes'])} on readers",
+            f"{_gb(s['unpacked_bytes'])} on readers"
+            if self.options.transport == "staged"
+            else f"  cuda_ipc       no staging; {int(s['copies'])} copies ({_gb(s['cast_bytes'])} "
+            f"cast by a kernel), {int(s['relayed_buckets'])} buckets pulled from an upstream "
+            f"reader, longest relay chain {int(s['relay_hops'])} hop(s)",
         ]
         if s["network_bytes"]:
             out.append(
@@ -300,8 +350,12 @@ class Prediction:
                 f"{s['network_bound_s'] * 1e3:.2f} ms, schedule {p['network'] * 1e3:.2f} ms "
                 f"(efficiency {s['network_bound_s'] / max(p['network'], 1e-12):.2f})"
             )
-        out.append("  phase prediction (pipelined: the slowest overlapping phase counts)")
-        for name in PHASES:
+        out.append(
+            "  phase prediction (pipelined: the slowest overlapping phase counts)"
+            if self.options.transport == "staged"
+            else "  phase prediction (copies and calls overlap: the slower counts, then control)"
+        )
+        for name in p:
             out.append(f"    {name:<12}{ms(p[name])}")
         out.append(f"    {'total':<12}{ms(self.seconds)}")
         return out
@@ -400,6 +454,8 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
     n, nd = len(r), r.start.shape[1]
     g = cluster.gpus_per_node
     how, wgpu, rgpu = _place(plan, cluster, opts)
+    if opts.transport == "cuda_ipc":
+        return _simulate_ipc(plan, cluster, opts, how, wgpu, rgpu)
     host_src = opts.writer_memory == "host"
 
     src, dst = r.src.astype(np.int64), r.dst.astype(np.int64)
@@ -580,6 +636,250 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
 LOCAL, NVLINK, PCIE, NETWORK = 0, 1, 2, 3
 
 
+def _simulate_ipc(
+    plan: TransferPlan,
+    cluster: Cluster,
+    opts: SimOptions,
+    how: str,
+    wgpu: np.ndarray,
+    rgpu: np.ndarray,
+) -> Prediction:
+    """The CUDA IPC model (module docstring, "CUDA IPC"): readers pull, one source at a time."""
+    r, b = plan.routes, plan.buckets
+    g = cluster.gpus_per_node
+    if opts.writer_memory != "gpu" or opts.wire != "plan":
+        raise ValueError(
+            f"transport='cuda_ipc' copies GPU memory in the plan's dtype: writer_memory="
+            f"{opts.writer_memory!r} and wire={opts.wire!r} need transport='staged'"
+        )
+    n_w, n_r = len(plan.writers), len(plan.readers)
+    nodes = np.union1d(wgpu // g, rgpu // g)
+    if len(nodes) > 1:
+        raise ValueError(
+            f"transport='cuda_ipc' works within one host, but {n_w} writers and {n_r} readers "
+            f"placed {how!r} span {len(nodes)} nodes of {g} GPUs: use transport='staged'"
+        )
+    tensor = r.tensor.astype(np.int64)
+    wire_item = np.array([itemsize(t.dtype) for t in plan.tensors], np.int64)[tensor]
+    src_item = np.array([itemsize(d) for d in plan.src_dtypes], np.int64)[tensor]
+    cast = src_item != wire_item
+
+    # -- relays: identical buckets (same writer, same source regions, same order) chain over
+    # the readers that take them, in reader order; each pulls from the one before
+    upstream = np.full(len(b), -1, np.int64)  # bucket -> the upstream reader's bucket
+    hops = np.zeros(len(b), np.int64)  # readers between the writer and this bucket's reader
+    if opts.fanout:
+        last: dict[tuple, int] = {}
+        extent = r.stop - r.start
+        order = np.lexsort((np.arange(len(b)), b.dst))
+        for k in order.tolist():
+            lo, hi = int(b.first[k]), int(b.first[k] + b.count[k])
+            key = (
+                int(b.src[k]),
+                r.src_key[lo:hi].tobytes(),
+                r.src_local[lo:hi].tobytes(),
+                extent[lo:hi].tobytes(),
+            )
+            if key in last and int(b.dst[last[key]]) != int(b.dst[k]):
+                upstream[k] = last[key]
+                hops[k] = hops[last[key]] + 1
+            last[key] = k
+    # the source of each bucket: writer w -> w, upstream reader q -> n_w + q
+    source = np.where(upstream >= 0, n_w + b.dst[np.maximum(upstream, 0)], b.src).astype(np.int64)
+    src_gpu = np.concatenate([wgpu, rgpu])[source]
+    nbytes = b.nbytes.astype(np.float64)
+
+    # -- segments: per reader, its sources in rotated order (reader i starts at source i mod n)
+    seg_reader: list[int] = []
+    seg_source: list[int] = []
+    seg_of_bucket = np.empty(len(b), np.int64)
+    for q in range(n_r):
+        mine = np.flatnonzero(b.dst == q)
+        names = np.unique(source[mine])
+        if len(names) == 0:
+            continue
+        k = q % len(names)
+        names = np.concatenate([names[k:], names[:k]])
+        at = {int(x): len(seg_reader) + i for i, x in enumerate(names.tolist())}
+        for x in names.tolist():
+            seg_reader.append(q)
+            seg_source.append(int(x))
+        seg_of_bucket[mine] = [at[int(x)] for x in source[mine].tolist()]
+    n_seg = len(seg_reader)
+    seg_bytes = _sum_by(seg_of_bucket, nbytes, n_seg)
+    seg_sgpu = np.concatenate([wgpu, rgpu])[np.array(seg_source, np.int64)] if n_seg else wgpu[:0]
+    seg_dgpu = rgpu[np.array(seg_reader, np.int64)] if n_seg else rgpu[:0]
+    # a relayed segment tracks the upstream segments its buckets came from:
+    # feed[s, u] = bytes of upstream segment u that segment s pulls again
+    feed: dict[int, dict[int, float]] = {}
+    lag = np.zeros(n_seg)  # one chunk of the upstream reader's relayed bytes
+    relayed = np.flatnonzero(upstream >= 0)
+    out_bytes = _sum_by(b.dst[upstream[relayed]], nbytes[relayed], n_r)
+    for k in relayed.tolist():
+        s_, u = int(seg_of_bucket[k]), int(seg_of_bucket[upstream[k]])
+        feed.setdefault(s_, {})
+        feed[s_][u] = feed[s_].get(u, 0.0) + float(nbytes[k])
+    for s_ in feed:
+        up_reader = seg_source[s_] - n_w
+        lag[s_] = min(out_bytes[up_reader] / RELAY_CHUNKS, seg_bytes[s_])
+
+    t_copies = float(_ipc_timeline(seg_reader, seg_sgpu, seg_dgpu, seg_bytes, feed, lag, cluster))
+
+    copies = np.bincount(b.dst, weights=b.count, minlength=n_r)
+    t_calls = float(copies.max(initial=0)) * cluster.ipc_call_s
+    phases = {"copies": t_copies, "calls": t_calls, "control": cluster.ipc_control_s}
+    seconds = max(t_copies, t_calls) + cluster.ipc_control_s
+
+    r_src_gpu = src_gpu[r.bucket]
+    r_dst_gpu = rgpu[r.dst.astype(np.int64)]
+    local = r_src_gpu == r_dst_gpu
+    rb = r.nbytes.astype(np.float64)
+    from_reader = upstream[r.bucket] >= 0
+    nodes_w, nodes_r = np.unique(wgpu // g), np.unique(rgpu // g)
+    total = float(rb.sum())
+    stats = {
+        "plan_bytes": total,
+        "wire_bytes": total,
+        "fp8_fraction": 0.0,
+        "fp8_unaligned_bytes": 0.0,
+        "network_bytes": 0.0,
+        "nvlink_bytes": float(rb[~local].sum()),
+        "forward_bytes": float(rb[from_reader].sum()),
+        "pcie_bytes": 0.0,
+        "local_bytes": float(rb[local].sum()),
+        "fanout_saved_bytes": float(rb[from_reader].sum()),
+        "packed_bytes": 0.0,
+        "unpacked_bytes": 0.0,
+        "copies": float(len(r)),
+        "cast_bytes": float(rb[cast].sum()),
+        "relayed_buckets": float(len(relayed)),
+        "relay_hops": float(hops.max(initial=0)),
+        "segments": float(n_seg),
+        "reader_copies_max": float(copies.max(initial=0)),
+        "nodes": float(len(nodes)),
+        "writer_nodes": float(len(nodes_w)),
+        "reader_nodes": float(len(nodes_r)),
+    }
+    return Prediction(
+        seconds=seconds, phases=phases, stats=stats, cluster=cluster, options=opts, placement=how
+    )
+
+
+def _fed(
+    feed: dict[int, dict[int, float]],
+    i: int,
+    done: np.ndarray,
+    nbytes: np.ndarray,
+    finished: np.ndarray,
+) -> tuple[float, bool]:
+    """Bytes of segment ``i`` its upstream has done (inf: not relayed), and whether the
+    upstream is still at it."""
+    if i not in feed:
+        return math.inf, False
+    got = sum(w * min(done[u] / nbytes[u], 1.0) for u, w in feed[i].items())
+    return got, any(not finished[u] for u in feed[i])
+
+
+RELAY_CHUNKS = 32
+"""A relaying reader signals its downstream reader after each 1/32 of the bytes it relays."""
+
+
+def _ipc_timeline(
+    seg_reader: list[int],
+    sgpu: np.ndarray,
+    dgpu: np.ndarray,
+    nbytes: np.ndarray,
+    feed: dict[int, dict[int, float]],
+    lag: np.ndarray,
+    cluster: Cluster,
+) -> float:
+    """Seconds until every reader's last copy ends: a fluid simulation over segments.
+
+    Each reader runs its segments (one source each) in order. Between two events every active
+    copy runs at a constant rate: a same-GPU copy at ``copy_gbps`` shared by the GPU's active
+    same-GPU copies; a copy between GPUs at ``ipc_gbps / (copies out of its source GPU x
+    copies into its destination GPU)``. A relayed segment starts once its upstream has done one
+    chunk (``lag``) of what it relays, and runs no faster than that while it is one chunk behind.
+    """
+    n = len(seg_reader)
+    if n == 0:
+        return 0.0
+    done = np.zeros(n)
+    finished = nbytes <= 0
+    # current segment per reader: the first of its segments not finished
+    first: dict[int, int] = {}
+    for i, q in enumerate(seg_reader):
+        first.setdefault(q, i)
+    current = dict(first)
+    ends: dict[int, int] = {}
+    for i, q in enumerate(seg_reader):
+        ends[q] = i + 1
+    t = 0.0
+    eps = 1.0  # bytes
+    for _ in range(100 * n + 1000):
+        for q in list(current):
+            i = current[q]
+            while i < ends[q] and finished[i]:
+                i += 1
+            if i == ends[q]:
+                del current[q]
+            else:
+                current[q] = i
+        if not current:
+            return t
+        cur = np.array(sorted(current.values()), np.int64)
+
+        active = []
+        for i in cur.tolist():
+            got, left = _fed(feed, i, done, nbytes, finished)
+            if not left or got >= lag[i] - eps or got >= nbytes[i] - eps:
+                active.append(i)
+        act = np.array(active, np.int64)
+        rate = np.zeros(n)
+        if len(act):
+            local = sgpu[act] == dgpu[act]
+            n_gpu = int(max(sgpu.max(), dgpu.max())) + 1
+            peer = act[~local]
+            n_out = np.bincount(sgpu[peer], minlength=n_gpu)
+            n_in = np.bincount(dgpu[peer], minlength=n_gpu)
+            rate[peer] = cluster.ipc_gbps * GB / (n_out[sgpu[peer]] * n_in[dgpu[peer]])
+            same = act[local]
+            n_same = np.bincount(sgpu[same], minlength=n_gpu)
+            rate[same] = cluster.copy_gbps * GB / n_same[sgpu[same]]
+        # a relayed copy one chunk behind goes no faster than its upstream feeds it
+        feed_rate = np.zeros(n)
+        for i in active:
+            if i in feed:
+                got, left = _fed(feed, i, done, nbytes, finished)
+                fr = sum(w * rate[u] / nbytes[u] for u, w in feed[i].items() if not finished[u])
+                feed_rate[i] = fr
+                if left and done[i] >= got - lag[i] - eps:
+                    rate[i] = min(rate[i], fr)
+        # next event: a copy ends, a waiting relay gets its first chunk, a relay catches up
+        dt = math.inf
+        for i in active:
+            if rate[i] > 0:
+                dt = min(dt, (nbytes[i] - done[i]) / rate[i])
+            if i in feed:
+                got, left = _fed(feed, i, done, nbytes, finished)
+                gap = got - lag[i] - done[i]
+                if left and gap > eps and rate[i] > feed_rate[i]:
+                    dt = min(dt, gap / (rate[i] - feed_rate[i]))
+        for i in set(cur.tolist()) - set(active):
+            got, _ = _fed(feed, i, done, nbytes, finished)
+            fr = sum(w * rate[u] / nbytes[u] for u, w in feed[i].items() if not finished[u])
+            if fr > 0:
+                dt = min(dt, (min(lag[i], nbytes[i]) - got) / fr)
+        if not math.isfinite(dt):
+            raise RuntimeError("cuda_ipc timeline: no copy can make progress (a relay cycle?)")
+        dt = max(dt, 0.0)
+        t += dt
+        done[act] += rate[act] * dt
+        finished |= done >= nbytes - eps
+        done[finished] = nbytes[finished]
+    raise RuntimeError("cuda_ipc timeline: too many events")
+
+
 def _network(
     sg: np.ndarray, dg: np.ndarray, nbytes: np.ndarray, cluster: Cluster, chunk: int
 ) -> tuple[float, dict[str, float]]:
@@ -677,7 +977,17 @@ def _first_fit(src: np.ndarray, dst: np.ndarray, n_nic: int, limit: int) -> np.n
 # pinned host-to-device 55.5. ``message_s`` is fitted to that file's S1@nccl (the model is of
 # the staged, pushing transports; the CUDA IPC pulls of S1-S4 are not modelled yet), the only
 # fitted value: (50.14 ms median - 44.34 ms the rest predicts) / 241 messages = 24.1 us.
-_H200 = dict(nvlink_gbps=370.6, copy_gbps=2129.7, pcie_gbps=55.5, message_s=24.1e-6)
+# CUDA IPC: one copy-engine peer copy 392.7 GB/s (ceiling ``ipc_pull_gbps``); the per-sync
+# control cost is the one value fitted for it, to that file's S1 over cuda_ipc: 42.43 ms
+# median - 40.90 ms of copies (16.06 GB at 392.7 GB/s) = 1.53 ms.
+_H200 = dict(
+    nvlink_gbps=370.6,
+    copy_gbps=2129.7,
+    pcie_gbps=55.5,
+    message_s=24.1e-6,
+    ipc_gbps=392.7,
+    ipc_control_s=1.53e-3,
+)
 
 CLUSTERS: dict[str, Cluster] = {
     "h200x4": Cluster(name="h200x4", gpus_per_node=4, nics_per_node=0, **_H200),
@@ -729,6 +1039,7 @@ SCENARIOS: dict[str, Scenario] = {
         writers="whole",
         readers="vllm:tp=1",
         cluster="h200x4",
+        options=SimOptions(transport="cuda_ipc"),
         bench="S1",
         about="1 writer GPU -> 1 reader GPU, 16 GB bf16",
     ),
@@ -737,6 +1048,7 @@ SCENARIOS: dict[str, Scenario] = {
         writers="whole",
         readers="vllm:tp=1,dp=3",
         cluster="h200x4",
+        options=SimOptions(transport="cuda_ipc"),
         bench="S2",
         about="1 writer GPU -> 3 reader GPUs, each gets the full model",
     ),
@@ -745,7 +1057,7 @@ SCENARIOS: dict[str, Scenario] = {
         writers="whole",
         readers="vllm:tp=1",
         cluster="h200x4",
-        options=SimOptions(placement="colocated"),
+        options=SimOptions(placement="colocated", transport="cuda_ipc"),
         bench="S3",
         about="colocated: writer and reader processes on one GPU",
     ),
@@ -754,6 +1066,7 @@ SCENARIOS: dict[str, Scenario] = {
         writers="fsdp:shard=2",
         readers="vllm:tp=2",
         cluster="h200x4",
+        options=SimOptions(transport="cuda_ipc"),
         bench="S4",
         about="FSDP2 on 2 GPUs -> tensor parallel 2 on 2 other GPUs",
     ),
