@@ -51,6 +51,32 @@ design, ported from vLLM):
   ``mlp_bias``; Qwen3 / Qwen3-MoE q/k/v biases with ``attention_bias`` and never an o_proj
   bias; Mixtral and DeepSeek none.
 
+Block-FP8 checkpoints (``quantization_config.weight_block_size = [128, 128]``, DeepSeek-V3
+style: ``float8_e4m3fn`` weights and a float32 ``weight_scale_inv`` per 128 x 128 block), as
+vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` load them (:meth:`EngineRankModel.to_block_fp8`):
+
+* Which layers: every linear layer built with the quant config (QKV, merged column, column,
+  row, FusedMoE); ``ReplicatedLinear`` routers built without it, norms and the vocab layers
+  stay unquantized.
+* Parameters: ``weight`` ``float8_e4m3fn`` of the unquantized shape; ``weight_scale_inv``
+  float32 ``(ceil(out_per_partition / bn), ceil(in_per_partition / bk))``
+  (``create_fp8_scale_parameter``); FusedMoE ``w13_weight_scale_inv`` ``(local_experts, 2 *
+  ceil(I_part / bn), ceil(H / bk))`` and ``w2_weight_scale_inv`` ``(local_experts, ceil(H /
+  bn), ceil(I_part / bk))``.
+* Shape checks (``validate_fp8_block_shape``): with tp > 1 and ``input_size //
+  input_per_partition == tp``, ``input_per_partition % bk`` must be 0 (row parallel); when
+  ``tp > 1 and output_size // sum(output_partition_sizes) == tp`` (a tp split) every partition
+  size must be a multiple of ``bn``, else for a merged layer (several partitions) every one but
+  the last. FusedMoE: ``I_part % bn`` must be 0, and ``I_part % bk`` too when tp > 1. A
+  violation is a ``ValueError`` at model construction (:class:`BlockShapeError` here).
+* Loading the scales (``BlockQuantScaleParameter``): column and row layers narrow by the scale
+  parameter's own extent at ``tp_rank`` (the weights' rule); ``MergedColumnParallelLinear``
+  uses offset ``ceil(sum(output_sizes[:i]) / bn) // tp`` and size ``ceil(output_sizes[i] / bn)
+  // tp``; ``QKVParallelLinear`` takes the weights' per-rank offset and size and rounds both up
+  to blocks, source shard as for the weights (``tp_rank // num_kv_head_replicas`` for k and v);
+  FusedMoE scales go through the weights' ``_load_w13`` / ``_load_w2`` with the scale
+  parameter's extents.
+
 Every parameter also gets a mask of what its loader wrote: 1 for checkpoint data, 2 for the
 vocab padding it zero-fills. A parameter element no loader wrote is a bug in this reference
 (:func:`EngineRankModel.check_complete`).
@@ -66,6 +92,45 @@ from typing import Any
 import torch
 
 DATA, PADDING = 1, 2
+
+
+class BlockShapeError(ValueError):
+    """vLLM refuses this block-FP8 layer at construction (``validate_fp8_block_shape``)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+SCALE = "_scale_inv"
+
+
+def validate_block_shape(
+    layer: str,
+    *,
+    tp: int,
+    input_size: int,
+    input_per_partition: int,
+    output_size: int,
+    output_partition_sizes: list[int],
+    block: int,
+) -> None:
+    """vLLM's ``validate_fp8_block_shape``, restated (block_n == block_k == block)."""
+    if tp > 1 and input_size // input_per_partition == tp and input_per_partition % block:
+        raise BlockShapeError(
+            f"{layer}: weight input_size_per_partition = {input_per_partition} is not "
+            f"divisible by weight quantization block_k = {block}"
+        )
+    tp_split = tp > 1 and output_size // sum(output_partition_sizes) == tp
+    merged = len(output_partition_sizes) > 1
+    if tp_split or merged:
+        sizes = output_partition_sizes if tp_split else output_partition_sizes[:-1]
+        for size in sizes:
+            if size % block:
+                raise BlockShapeError(
+                    f"{layer}: weight output_partition_size = {size} is not divisible by "
+                    f"weight quantization block_n = {block}"
+                )
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -151,6 +216,17 @@ class _Module:
     """A parallel layer: its parameters (by attribute) and its weight loader."""
 
     params: dict[str, _Param]
+    block: int | None = None
+    """Block-FP8 block side once :meth:`EngineRankModel.to_block_fp8` converted the layer."""
+
+    def _fp8_linear(self, block: int) -> None:
+        """FP8 ``weight`` and its ``weight_scale_inv`` grid, as ``Fp8LinearMethod`` makes them."""
+        rows, cols = self.params["weight"].data.shape
+        self.params["weight"] = _Param((rows, cols), torch.float8_e4m3fn)
+        self.params["weight" + SCALE] = _Param(
+            (cdiv(rows, block), cdiv(cols, block)), torch.float32
+        )
+        self.block = block
 
     def load(self, attr: str, loaded: torch.Tensor, shard_id: Any = None) -> None:
         raise NotImplementedError
@@ -169,7 +245,7 @@ class Replicated(_Module):
 
 class ColumnParallel(_Module):
     def __init__(self, inp, out, bias, tp, tp_rank, dtype):
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp, self.inp, self.out = tp_rank, tp, inp, out
         rows = divide(out, tp)
         self.params = {"weight": _Param((rows, inp), dtype)}
         if bias:
@@ -181,12 +257,25 @@ class ColumnParallel(_Module):
         shard = param.data.shape[0]
         param.write(None, loaded.narrow(0, self.tp_rank * shard, shard))
 
+    def to_block_fp8(self, name: str, block: int) -> None:
+        validate_block_shape(
+            name,
+            tp=self.tp,
+            input_size=self.inp,
+            input_per_partition=self.inp,
+            output_size=self.out,
+            output_partition_sizes=[self.out // self.tp],
+            block=block,
+        )
+        self._fp8_linear(block)
+
 
 class MergedColumnParallel(_Module):
     def __init__(self, inp, output_sizes, bias, tp, tp_rank, dtype, *, disable_tp=False):
         if disable_tp:
             tp, tp_rank = 1, 0
         self.tp, self.tp_rank, self.output_sizes = tp, tp_rank, list(output_sizes)
+        self.inp = inp
         rows = sum(divide(s, tp) for s in output_sizes)
         self.params = {"weight": _Param((rows, inp), dtype)}
         if bias:
@@ -194,15 +283,33 @@ class MergedColumnParallel(_Module):
 
     def load(self, attr, loaded, shard_id=None):
         param = self.params[attr]
-        offset = sum(self.output_sizes[:shard_id]) // self.tp
-        size = self.output_sizes[shard_id] // self.tp
+        if attr.endswith(SCALE):  # BlockQuantScaleParameter: offsets in blocks, then / tp
+            b = self.block
+            offset = cdiv(sum(self.output_sizes[:shard_id]), b) // self.tp
+            size = cdiv(self.output_sizes[shard_id], b) // self.tp
+        else:
+            offset = sum(self.output_sizes[:shard_id]) // self.tp
+            size = self.output_sizes[shard_id] // self.tp
         param.write(_rows(offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+    def to_block_fp8(self, name: str, block: int) -> None:
+        validate_block_shape(
+            name,
+            tp=self.tp,
+            input_size=self.inp,
+            input_per_partition=self.inp,
+            output_size=sum(self.output_sizes),
+            output_partition_sizes=[s // self.tp for s in self.output_sizes],
+            block=block,
+        )
+        self._fp8_linear(block)
 
 
 class QKVParallel(_Module):
     def __init__(self, hidden, head_size, total_heads, total_kv_heads, bias, tp, tp_rank, dtype):
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp, self.inp = tp_rank, tp, hidden
         self.head_size = head_size
+        self.total = (total_heads + 2 * total_kv_heads) * head_size
         self.num_heads = divide(total_heads, tp)
         if tp >= total_kv_heads:
             self.num_kv_heads = 1
@@ -219,13 +326,32 @@ class QKVParallel(_Module):
         h, q, kv = self.head_size, self.num_heads, self.num_kv_heads
         offset = {"q": 0, "k": q * h, "v": (q + kv) * h}[shard_id]
         size = {"q": q * h, "k": kv * h, "v": kv * h}[shard_id]
+        if attr.endswith(SCALE):  # BlockQuantScaleParameter: the same, rounded up to blocks
+            offset, size = cdiv(offset, self.block), cdiv(size, self.block)
         source = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
         self.params[attr].write(_rows(offset, size), loaded.narrow(0, source * size, size))
+
+    def to_block_fp8(self, name: str, block: int) -> None:
+        h = self.head_size
+        validate_block_shape(
+            name,
+            tp=self.tp,
+            input_size=self.inp,
+            input_per_partition=self.inp,
+            output_size=self.total,
+            output_partition_sizes=[
+                self.num_heads * h,
+                self.num_kv_heads * h,
+                self.num_kv_heads * h,
+            ],
+            block=block,
+        )
+        self._fp8_linear(block)
 
 
 class RowParallel(_Module):
     def __init__(self, inp, out, bias, tp, tp_rank, dtype):
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp, self.inp, self.out = tp_rank, tp, inp, out
         self.params = {"weight": _Param((out, divide(inp, tp)), dtype)}
         if bias:
             self.params["bias"] = _Param((out,), dtype)
@@ -238,6 +364,18 @@ class RowParallel(_Module):
             return
         shard = param.data.shape[1]
         param.write(None, loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def to_block_fp8(self, name: str, block: int) -> None:
+        validate_block_shape(
+            name,
+            tp=self.tp,
+            input_size=self.inp,
+            input_per_partition=self.inp // self.tp,
+            output_size=self.out,
+            output_partition_sizes=[self.out],
+            block=block,
+        )
+        self._fp8_linear(block)
 
 
 class VocabParallel(_Module):
@@ -264,6 +402,7 @@ class FusedMoE(_Module):
         self.map = expert_map(num_experts, ep, ep_rank, rank.expert_placement, rank.engine)
         local = sum(slot >= 0 for slot in self.map)
         shard = divide(inter, self.moe_tp)
+        self.local, self.shard, self.hidden = local, shard, hidden
         self.params = {
             "w13_weight": _Param((local, 2 * shard, hidden), dtype),
             "w2_weight": _Param((local, hidden, shard), dtype),
@@ -283,6 +422,23 @@ class FusedMoE(_Module):
         src = loaded.narrow(0, shard * self.moe_tp_rank, shard)
         at = 0 if shard_id == "w1" else shard
         param.write((slot, slice(at, at + shard)), src)
+
+    def to_block_fp8(self, name: str, block: int) -> None:
+        """``Fp8MoEMethod.create_weights`` with a block size: its checks and parameters."""
+        if self.shard % block:
+            raise BlockShapeError(
+                f"{name}: the output_size of gate's and up's weight = {self.shard} is not "
+                f"divisible by weight quantization block_n = {block}"
+            )
+        # (vLLM's second check, I_part % block_k with tp > 1, adds nothing when bn == bk)
+        e, i, hid = self.local, self.shard, self.hidden
+        self.params = {
+            "w13_weight": _Param((e, 2 * i, hid), torch.float8_e4m3fn),
+            "w2_weight": _Param((e, hid, i), torch.float8_e4m3fn),
+            "w13_weight" + SCALE: _Param((e, 2 * cdiv(i, block), cdiv(hid, block)), torch.float32),
+            "w2_weight" + SCALE: _Param((e, cdiv(hid, block), cdiv(i, block)), torch.float32),
+        }
+        self.block = block
 
 
 def _cfg(config: Any, key: str, default: Any = None) -> Any:
@@ -487,7 +643,7 @@ class EngineRankModel:
         raise KeyError(f"the engine has no parameter for checkpoint tensor {name!r}")
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        expert_re = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+        expert_re = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight(_scale_inv)?$")
         leaves = self._expert_leaves()
         stacked = self._stacked()
         for name, loaded in weights.items():
@@ -497,6 +653,7 @@ class EngineRankModel:
             if routed is not None:
                 prefix, expert, leaf = routed.group(1), int(routed.group(2)), routed.group(3)
                 attr, shard_id = leaves[leaf]
+                attr += routed.group(4) or ""
                 module = self.modules[f"{prefix}.experts"]
                 assert isinstance(module, FusedMoE)
                 module.load_expert(attr, loaded, expert, shard_id)
@@ -509,6 +666,14 @@ class EngineRankModel:
             else:
                 module, attr = self._find(name)
                 module.load(attr, loaded)
+
+    def to_block_fp8(self, block: int = 128) -> None:
+        """Make the layers vLLM's block-FP8 quant config quantizes FP8 (see the module
+        docstring); raises :class:`BlockShapeError` where vLLM refuses the shapes."""
+        quantized = (ColumnParallel, MergedColumnParallel, QKVParallel, RowParallel, FusedMoE)
+        for prefix, module in self.modules.items():
+            if isinstance(module, quantized):
+                module.to_block_fp8(prefix, block)
 
     # -- results --------------------------------------------------------------------------
 
@@ -553,6 +718,22 @@ def engine_rank_params(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(params, masks)`` of one engine rank after loading ``checkpoint``."""
     model = EngineRankModel(config, rank, dtype)
+    model.load_weights(checkpoint)
+    model.check_complete()
+    return model.params, model.masks
+
+
+def engine_rank_fp8_params(
+    config: Any,
+    checkpoint: Mapping[str, torch.Tensor],
+    rank: EngineRank,
+    dtype: torch.dtype,
+    block: int = 128,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(params, masks)`` of one engine rank of a block-FP8 model after loading a block-FP8
+    ``checkpoint`` (FP8 weights and their ``weight_scale_inv``; the rest in ``dtype``)."""
+    model = EngineRankModel(config, rank, dtype)
+    model.to_block_fp8(block)
     model.load_weights(checkpoint)
     model.check_complete()
     return model.params, model.masks

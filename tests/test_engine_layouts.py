@@ -22,16 +22,30 @@ import glob
 import json
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
-from tests.engine_reference import DATA, PADDING, EngineRank, engine_rank_params
+from tests.engine_reference import (
+    DATA,
+    PADDING,
+    BlockShapeError,
+    EngineRank,
+    EngineRankModel,
+    QKVParallel,
+    engine_rank_fp8_params,
+    engine_rank_params,
+)
+from tests.test_codec_fp8 import reference_quantize
+from weightbus.codecs.fp8 import Fp8Config, quantized_layout, scale_name
+from weightbus.engines import vllm as wv
 from weightbus.engines.sglang import SGLangParallel, sglang_layout
-from weightbus.engines.vllm import VLLMParallel, vllm_layout
+from weightbus.engines.vllm import VLLMParallel, vllm_fp8_layout, vllm_layout
+from weightbus.errors import WeightbusError
 from weightbus.layouts.families import model_spec
 from weightbus.layouts.fsdp import fsdp_layout
 from weightbus.plan import PlanOptions, allocate, execute, fill_from_canonical, make_plan
-from weightbus.spec import Participant
+from weightbus.spec import LayoutError, Participant
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -104,6 +118,44 @@ CONFIGS = {
     },
 }
 CONFIGS["deepseek_no_q_lora"] = {**CONFIGS["deepseek"], "q_lora_rank": None}
+
+# block-FP8 models: every tensor-parallel shard vLLM accepts must be whole 128-blocks, so these
+# are wider (head_dim 128); tp 4 still replicates the 2 kv heads.
+LLAMA_FP8 = {
+    **LLAMA,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 1,
+    "head_dim": 128,
+}
+CONFIGS["llama_fp8"] = LLAMA_FP8
+CONFIGS["llama_fp8_h64"] = {**LLAMA_FP8, "head_dim": 64}  # tp 2: 64 rows of k per rank
+CONFIGS["qwen3_moe_fp8"] = {
+    **CONFIGS["qwen3_moe"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 1,
+    "head_dim": 128,
+    "num_experts": 4,
+    "mlp_only_layers": [],
+}
+CONFIGS["deepseek_fp8"] = {  # fused_qkv_a_proj's last component (128 + 64 rows) ends mid-block
+    **CONFIGS["deepseek"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 1,
+    "first_k_dense_replace": 0,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 4,
+}
 
 
 @functools.cache
@@ -295,6 +347,263 @@ def test_qwen3_moe_sglang(ep: int) -> None:
 def test_sglang_dense_and_mla() -> None:
     _check("llama", "sglang", _sglang_ranks(tp=8))
     _check("deepseek", "sglang", _sglang_ranks(tp=2, ep=2))
+
+
+# -- block FP8: FP8 weights and weight_scale_inv, as vLLM's Fp8LinearMethod / Fp8MoEMethod -----
+
+FP8 = Fp8Config(block=128)
+
+
+@functools.cache
+def _fp8_checkpoint(name: str) -> dict[str, torch.Tensor]:
+    """The block-FP8 checkpoint of model ``name`` (DeepSeek-V3 format): each quantized weight
+    as float8_e4m3fn and its float32 ``weight_scale_inv``, from the codec's formula restated
+    in numpy (tests/test_codec_fp8.py); the other tensors in bfloat16."""
+    _, checkpoint = _checkpoint(name)
+    out: dict[str, torch.Tensor] = {}
+    for t in model_spec(CONFIGS[name]).tensors:
+        x = checkpoint[t.name]
+        if FP8.quantizes(t):
+            q, s = reference_quantize(x, block=FP8.block)
+            out[t.name] = torch.from_numpy(q).to(torch.float8_e4m3fn)
+            out[scale_name(t.name)] = torch.from_numpy(s)
+        else:
+            out[t.name] = x.to(torch.bfloat16)
+    return out
+
+
+def _poison_nan(tensors: dict[str, torch.Tensor]) -> None:
+    """NaN everywhere (0x7f is e4m3fn's NaN): no correct value can be left behind by chance."""
+    for t in tensors.values():
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        else:
+            t.fill_(float("nan"))
+
+
+def _check_fp8(name: str, ranks: list[tuple[EngineRank, object]]) -> int:
+    """FSDP(2) writers holding the FP8 checkpoint -> these vLLM ranks' FP8 wire layouts, one
+    plan, executed into NaN-poisoned tensors, compared bit for bit with the reference loader.
+    Returns how many FP8 and scale elements were compared."""
+    hf_config, _ = _checkpoint(name)
+    checkpoint = _fp8_checkpoint(name)
+    spec = model_spec(CONFIGS[name])
+    writers = [
+        quantized_layout(
+            fsdp_layout(
+                spec, Participant(role="writer", rank=r), shard=2, shard_rank=r, dtype="bfloat16"
+            ),
+            FP8,
+        )
+        for r in range(2)
+    ]
+    readers = [
+        vllm_fp8_layout(spec, Participant(role="reader", rank=i), parallel, FP8, dtype="bfloat16")
+        for i, (_, parallel) in enumerate(ranks)
+    ]
+    plan = make_plan(writers, readers, PlanOptions(bucket_bytes=64 << 10))
+    source = [allocate(w) for w in writers]
+    for lay, tensors in zip(writers, source, strict=True):
+        fill_from_canonical(lay, checkpoint, tensors)
+    got = [allocate(r) for r in readers]
+    for tensors in got:
+        _poison_nan(tensors)
+    execute(plan, source, got)
+
+    compared = 0
+    for (rank, _), tensors in zip(ranks, got, strict=True):
+        params, masks = engine_rank_fp8_params(hf_config, checkpoint, rank, torch.bfloat16)
+        where = f"{name} FP8 {rank}"
+        assert {k: (tuple(v.shape), v.dtype) for k, v in params.items()} == {
+            k: (tuple(v.shape), v.dtype) for k, v in tensors.items()
+        }, f"{where}: parameter names, shapes or dtypes differ from the engine's"
+        for key, want in params.items():
+            have, data = tensors[key], masks[key] == DATA
+            same = _int_view(have)[data] == _int_view(want)[data]
+            assert bool(same.all()), (
+                f"{where}: {key} differs from the engine's loader at "
+                f"{int((~same).sum())} of {int(data.sum())} elements"
+            )
+            if want.dtype == torch.float8_e4m3fn or key.endswith("_scale_inv"):
+                compared += int(data.sum())
+            padding = masks[key] == PADDING
+            assert bool(torch.isnan(have[padding].float()).all()), (
+                f"{where}: weightbus wrote into {key}'s vocab padding"
+            )
+    return compared
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fp8_qkv_merged_row_with_kv_replication(tp: int) -> None:
+    # tp 4 replicates each of the 2 kv heads (and its 128-row scale block) on 2 ranks
+    assert _check_fp8("llama_fp8", _vllm_ranks(tp=tp)) > 0
+
+
+@pytest.mark.parametrize("tp, ep", [(2, False), (2, True), (4, True)])
+def test_fp8_fused_moe_w13_w2_scales_with_expert_parallel(tp: int, ep: bool) -> None:
+    _check_fp8("qwen3_moe_fp8", _vllm_ranks(tp=tp, enable_expert_parallel=ep))
+
+
+@pytest.mark.parametrize("tp, ep", [(2, False), (4, True)])
+def test_fp8_deepseek_column_layers_and_a_merged_tail_ending_mid_block(tp: int, ep: bool) -> None:
+    # q_b_proj / kv_b_proj are column parallel; fused_qkv_a_proj ([256, 192] rows, not split)
+    # ends inside its second scale row, which vLLM allows for the last merged component
+    _check_fp8("deepseek_fp8", _vllm_ranks(tp=tp, enable_expert_parallel=ep))
+
+
+@pytest.mark.parametrize(
+    "name, tp, ep, vllm_says",
+    [
+        # QKV: 64 rows of k per rank (head_dim 64, one kv head per rank)
+        ("llama_fp8_h64", 2, False, "output_partition_size = 64 is not divisible by .* 128"),
+        # merged column: gate_up_proj's 512 + 512 rows over tp 8 (down_proj's 64 input
+        # columns per rank would be refused next, as row parallel)
+        ("llama_fp8", 8, False, "gate_up_proj: .*output_partition_size = 64 is not divisible"),
+        # FusedMoE: 256 intermediate rows over moe tp 4
+        ("qwen3_moe_fp8", 4, False, "gate's and up's weight = 64 is not divisible by .* 128"),
+    ],
+)
+def test_fp8_shard_cutting_a_block_is_refused_by_vllm_and_by_weightbus(
+    name: str, tp: int, ep: bool, vllm_says: str
+) -> None:
+    hf_config, _ = _checkpoint(name)
+    spec = model_spec(CONFIGS[name])
+    refused = 0
+    for rank, parallel in _vllm_ranks(tp=tp, enable_expert_parallel=ep):
+        with pytest.raises(BlockShapeError, match=vllm_says):
+            EngineRankModel(hf_config, rank, torch.bfloat16).to_block_fp8(128)
+        with pytest.raises(LayoutError, match="cuts a 128-wide FP8 block.*vLLM refuses"):
+            vllm_fp8_layout(spec, Participant(role="reader", rank=0), parallel, FP8)
+        refused += 1
+    assert refused == tp
+
+
+def test_fp8_check_sees_scales_from_the_wrong_kv_head(monkeypatch) -> None:
+    """A loader that gives each rank the other kv head's k scales (k_proj's two block rows
+    swapped) must fail the comparison: the scale check is not vacuous."""
+    original = QKVParallel.load
+
+    def swapped_k_scales(self, attr, loaded, shard_id=None):
+        if attr.endswith("_scale_inv") and shard_id == "k":
+            loaded = loaded.flip(0)
+        return original(self, attr, loaded, shard_id)
+
+    monkeypatch.setattr(QKVParallel, "load", swapped_k_scales)
+    with pytest.raises(AssertionError, match="qkv_proj.weight_scale_inv differs from the engine"):
+        _check_fp8("llama_fp8", _vllm_ranks(tp=2))
+
+
+# -- binding stand-ins of vLLM's block-FP8 layers ----------------------------------------------
+
+
+class Fp8LinearMethod:  # named as vLLM names it; bind looks at the class name and attributes
+    def __init__(self, block: int = 128, use_marlin: bool = False) -> None:
+        self.weight_block_size = [block, block]
+        self.use_marlin = use_marlin
+
+
+class Fp8MoEMethod:
+    def __init__(self, backend: str = "TRITON") -> None:
+        self.weight_block_size = [128, 128]
+        self.fp8_backend = backend
+
+
+def _fp8_engine(name: str, parallel: VLLMParallel, moe_backend: str = "TRITON"):
+    """A module tree whose parameters are the FP8 wire layout's local tensors, with FP8 quant
+    methods on the layers vLLM quantizes."""
+    spec = model_spec(CONFIGS[name])
+    wire = vllm_fp8_layout(spec, Participant(role="reader", rank=0), parallel, FP8)
+    root = torch.nn.Module()
+    for local in wire.locals:
+        *path, leaf = local.key.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        data = torch.zeros(local.shape, dtype=getattr(torch, local.dtype))
+        module.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
+        if local.dtype == "float8_e4m3fn":
+            experts = path[-1] == "experts"
+            module.quant_method = Fp8MoEMethod(moe_backend) if experts else Fp8LinearMethod()
+    return spec, wire, root
+
+
+def test_bind_accepts_block_fp8_layers_and_checks_them_after_a_sync() -> None:
+    spec, wire, model = _fp8_engine("qwen3_moe_fp8", VLLMParallel(tp=2))
+    bound = wv.bind(model, wire, fp8=FP8)
+    params = dict(model.named_parameters())
+    assert all(bound.tensors[k].data_ptr() == params[k].data_ptr() for k in bound.tensors)
+    assert "model.layers.0.mlp.experts.w13_weight_scale_inv" in bound.tensors
+    checked = wv.check_fp8_bound(model, bound)
+    assert checked == sum(
+        1 for lt in wire.locals if lt.dtype == "float8_e4m3fn" or lt.key.endswith("_scale_inv")
+    )
+    # vLLM re-registering a scale (its post-load processing run again) is caught
+    attn = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    attn.weight_scale_inv = torch.nn.Parameter(attn.weight_scale_inv.data.clone())
+    with pytest.raises(WeightbusError, match="qkv_proj.weight_scale_inv.*no longer the tensor"):
+        wv.check_fp8_bound(model, bound)
+
+
+def test_bind_refuses_fp8_it_cannot_write_in_place() -> None:
+    spec, wire, model = _fp8_engine("qwen3_moe_fp8", VLLMParallel(tp=2))
+    with pytest.raises(LayoutError, match="block-FP8.*FP8 is off.*Fp8Config\\(block=128\\)"):
+        wv.bind(model, wire)
+    with pytest.raises(LayoutError, match="blocks are 128 wide.*Fp8Config.block is 64"):
+        wv.bind(model, wire, fp8=Fp8Config(block=64))
+    _, _, flashinfer = _fp8_engine("qwen3_moe_fp8", VLLMParallel(tp=2), moe_backend="FLASHINFER")
+    with pytest.raises(NotImplementedError, match="experts.*FLASHINFER.*Triton FP8 MoE backend"):
+        wv.bind(flashinfer, wire, fp8=FP8)
+    model.get_submodule("model.layers.0.self_attn.o_proj").quant_method = Fp8LinearMethod(
+        use_marlin=True
+    )
+    with pytest.raises(NotImplementedError, match="o_proj.*Marlin"):
+        wv.bind(model, wire, fp8=FP8)
+    # scales re-laid out after loading (DeepGEMM's MN-major layout): not contiguous
+    _, _, relaid = _fp8_engine("qwen3_moe_fp8", VLLMParallel(tp=2))
+    o_proj = relaid.get_submodule("model.layers.0.self_attn.o_proj")
+    scale = o_proj.weight_scale_inv.data
+    o_proj.weight_scale_inv = torch.nn.Parameter(scale.t().contiguous().t(), requires_grad=False)
+    with pytest.raises(LayoutError, match="o_proj.weight_scale_inv.*not contiguous.*DeepGEMM"):
+        wv.bind(relaid, wire, fp8=FP8)
+
+
+def test_mla_refresh_dequantizes_a_block_fp8_kv_b_proj() -> None:
+    """W_UK_T / W_UV come from q * s per block (the numpy reference), not the raw FP8 values."""
+    heads, nope, v, kv_lora = 2, 64, 128, 192  # 384 x 192: a partial 128-block in each dim
+    x = torch.randn(heads * (nope + v), kv_lora, generator=torch.Generator().manual_seed(3))
+    q, s = reference_quantize(x, block=128)
+    holder = torch.nn.Module()
+    holder.kv_b_proj = torch.nn.Module()
+    holder.kv_b_proj.weight = torch.nn.Parameter(
+        torch.from_numpy(q).to(torch.float8_e4m3fn), requires_grad=False
+    )
+    holder.kv_b_proj.weight_scale_inv = torch.nn.Parameter(torch.from_numpy(s), requires_grad=False)
+    holder.kv_b_proj.quant_method = Fp8LinearMethod()
+    holder.W_UV = torch.full((heads, kv_lora, v), float("nan"), dtype=torch.bfloat16)
+    holder.W_UK_T = torch.full((heads, nope, kv_lora), float("nan"), dtype=torch.bfloat16)
+    assert wv.refresh_derived(holder) == 1
+    rows = np.arange(q.shape[0]) // 128
+    cols = np.arange(q.shape[1]) // 128
+    w = torch.from_numpy(q * s.astype(np.float64)[np.ix_(rows, cols)]).float()
+    per_head = w.t().reshape(kv_lora, heads, nope + v)
+    want_uv = per_head[..., nope:].transpose(0, 1).to(torch.bfloat16)
+    want_uk_t = per_head[..., :nope].permute(1, 2, 0).to(torch.bfloat16)
+    assert torch.equal(holder.W_UV.view(torch.int16), want_uv.view(torch.int16))
+    assert torch.equal(holder.W_UK_T.view(torch.int16), want_uk_t.view(torch.int16))
+
+
+def test_init_info_carries_the_fp8_config() -> None:
+    from weightbus._session import SyncConfig
+    from weightbus.control.store import ControlConfig
+
+    control = ControlConfig(num_writers=1, num_readers=1, address="h:1", host_store=False)
+    info = wv.InitInfo.from_configs(control, SyncConfig(fp8=Fp8Config(scale_format="ue8m0")))
+    again = wv.InitInfo(**json.loads(json.dumps(info.__dict__)))
+    assert again.configs()[1].fp8 == Fp8Config(scale_format="ue8m0")
+    with pytest.raises(ValueError, match="Fp8Config fields"):
+        wv.InitInfo(store_address="h:1", num_writers=1, num_readers=1, fp8={"blok": 128})
 
 
 # -- the reference itself ----------------------------------------------------------------------

@@ -26,16 +26,43 @@ writes in place into those parameters: no ``load_weights``, no copy of the model
 
 What in-place receiving requires: the engine's parameters must hold the checkpoint's values
 as loaded (vLLM's ``reload_mode="direct"`` has the same condition). That holds for unquantized
-models on CUDA. :func:`bind` refuses quantized layers (FP8 and others; see "FP8" below).
+models on CUDA and for block-FP8 models on the kernels named below ("FP8"). :func:`bind`
+refuses every other quantized layer.
 DeepSeek's multi-latent attention derives ``W_UK_T`` / ``W_UV`` from ``kv_b_proj`` after
 loading; :meth:`Receiver.finish` recomputes them in place after every sync
 (:func:`refresh_derived`).
 
-FP8 (not built). Receiving into FP8 parameters needs the FP8 block codec (quantize on the
-writer, ship values and ``weight_scale_inv``) and vLLM's post-load processing of FP8 layers,
-which re-lays out weights (transposes, requantizes to a per-tensor max scale) and replaces the
-parameter objects. Until weightbus has that codec, :func:`bind` raises for quantized models
-instead of writing bf16 bytes into FP8 storage.
+FP8 (block-quantized checkpoints, ``weight_block_size = [128, 128]``, DeepSeek-V3 style).
+Start the job with ``SyncConfig(fp8=Fp8Config(block=128))`` on every participant: writers
+quantize, readers receive ``float8_e4m3fn`` weights and float32 ``weight_scale_inv`` block
+scales straight into vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` parameters
+(:func:`vllm_fp8_layout`: the engine layout through
+:func:`~weightbus.codecs.fp8.quantized_layout`, with vLLM's block-shape rules). vLLM's
+post-load processing and why :class:`Receiver` does not call it again after a sync:
+
+* ``Fp8LinearMethod.process_weights_after_loading`` with a block size: on ROCm FNUZ platforms
+  it reinterprets the e4m3fn bits as e4m3fnuz and doubles the scales (not idempotent: a
+  second call doubles them again); with ``VLLM_ROCM_FP8_PADDING`` it pads the weight's rows;
+  with DeepGEMM it requantizes to power-of-two scales (in place) and swaps ``weight_scale_inv``
+  for DeepGEMM's own scale layout (TMA-aligned, packed int32 for UE8M0): applying that twice
+  transforms already transformed scales; with the Marlin weight-only path it repacks the
+  weight. Otherwise (CUDA, e4m3fn, Triton or CUTLASS block kernels) weight and scales stay as
+  loaded: ``process_fp8_weight_block_strategy`` returns them unchanged, so nothing needs
+  redoing after a sync that wrote the checkpoint's own bytes.
+* ``Fp8MoEMethod.process_weights_after_loading`` converts ``w13`` / ``w2`` and their scales
+  to the selected MoE backend's format (``convert_to_fp8_moe_kernel_format``: shuffles for
+  FlashInfer and AITER, DeepGEMM scale layouts, FNUZ as above), re-registers them and builds
+  the kernel. The conversion is not idempotent except for the Triton backend, where it is
+  the identity.
+
+So the safe thing, done here: :func:`bind` accepts block-FP8 layers only where vLLM's
+post-processing left the checkpoint layout in place (Triton MoE backend, no Marlin, and every
+weight and scale parameter of the checkpoint's shape, dtype ``float8_e4m3fn`` / ``float32``,
+contiguous), and refuses the others naming the layer and what to change; after each
+committed sync :meth:`Receiver.finish` checks that the bound tensors are still the layers'
+parameters (:func:`check_fp8_bound`) instead of re-running the processing. This FP8 path never
+ran inside a real vLLM: it was checked against a reference of vLLM's loaders (block shapes,
+scale sharding) and against stand-in modules.
 
 Trainer side, :class:`VLLMWeightSync` drives vLLM's HTTP routes (``/get_world_size``,
 ``/init_weight_transfer_engine``, ``/pause``, ``/start_weight_update``, ``/update_weights``,
@@ -64,6 +91,13 @@ import torch
 from torch import nn
 
 from weightbus._session import SyncConfig, SyncResult
+from weightbus.codecs.fp8 import (
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    Fp8Config,
+    dequantize,
+    quantized_layout,
+)
 from weightbus.control.store import ControlConfig
 from weightbus.engines._concurrent import beside
 from weightbus.errors import WeightbusError
@@ -84,8 +118,10 @@ __all__ = [
     "VLLMWeightSync",
     "WorkerExtension",
     "bind",
+    "check_fp8_bound",
     "refresh_derived",
     "register",
+    "vllm_fp8_layout",
     "vllm_layout",
 ]
 
@@ -99,6 +135,7 @@ _UNQUANTIZED = (
     "UnquantizedEmbeddingMethod",
     "UnquantizedFusedMoEMethod",
 )
+_FP8_LINEAR, _FP8_MOE = "Fp8LinearMethod", "Fp8MoEMethod"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,21 +221,112 @@ def vllm_layout(
     )
 
 
+def vllm_fp8_layout(
+    model: ModelSpec,
+    participant: Participant,
+    parallel: VLLMParallel,
+    fp8: Fp8Config,
+    *,
+    dtype: str | None = None,
+) -> Layout:
+    """The wire layout of one vLLM worker serving a block-FP8 checkpoint.
+
+    :func:`vllm_layout` through :func:`~weightbus.codecs.fp8.quantized_layout`. vLLM refuses,
+    when it builds the model, a tensor-parallel shard or a fused component (q / k / v,
+    gate / up) whose rows (or, for row-parallel layers, columns) are not a multiple of the
+    block, except the last component of a merged layer that is not split over ranks
+    (``validate_fp8_block_shape``; FusedMoE: the per-rank intermediate size); this layout
+    refuses the same shards, naming them, rather than planning a layout vLLM cannot hold.
+    """
+    layout = vllm_layout(model, participant, parallel, dtype=dtype)
+    _check_fp8_blocks(layout, fp8)
+    return quantized_layout(layout, fp8)
+
+
+def _check_fp8_blocks(layout: Layout, fp8: Fp8Config) -> None:
+    """Every piece of a tensor ``fp8`` quantizes starts on a block boundary (canonical and
+    local) and ends on one or at the end of both its tensor and its local tensor."""
+    block = fp8.block
+    locals_ = {lt.key: lt for lt in layout.locals}
+    specs = {t.name: t for t in layout.tensors}
+    shapes = {t.name: t.shape for t in layout.tensors}
+    for p in layout.iter_pieces():
+        if not fp8.quantizes(specs[p.tensor]):
+            continue
+        local_shape = locals_[p.key].shape
+        for d in (-2, -1):
+            a, b = p.box.start[d], p.box.stop[d]
+            la, lb = p.local_box.start[d], p.local_box.stop[d]
+            ends = b == shapes[p.tensor][d] and lb == local_shape[d]
+            if a % block or la % block or (not ends and (b % block or lb % block)):
+                what = "rows" if d == -2 else "columns"
+                raise LayoutError(
+                    f"{layout.role} {layout.name!r}: {p.tensor} {what} [{a}, {b}) land at "
+                    f"{what} [{la}, {lb}) of {p.key!r}, which cuts a {block}-wide FP8 block; "
+                    "vLLM refuses such block-FP8 shards too (validate_fp8_block_shape: every "
+                    f"tensor-parallel shard and fused component must be a multiple of {block}):"
+                    " use a tensor-parallel size that divides these sizes into whole blocks"
+                )
+
+
 # ---------------------------------------------------------------------------------------------
 # binding a live engine model
 # ---------------------------------------------------------------------------------------------
 
 
-def _refuse_quantized(model: nn.Module) -> None:
+def _fp8_layers(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
+    """Block-FP8 layers by module name, with their block size; raises for other quantization
+    and for FP8 layers whose post-load processing leaves no checkpoint layout to write into."""
+    out: dict[str, tuple[nn.Module, int]] = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in _UNQUANTIZED:
+        kind = type(method).__name__ if method is not None else None
+        if kind is None or kind in _UNQUANTIZED:
+            continue
+        config = getattr(method, "quant_config", None)
+        size = getattr(method, "weight_block_size", None) or getattr(
+            config, "weight_block_size", None
+        )
+        if kind not in (_FP8_LINEAR, _FP8_MOE) or not size:
             raise NotImplementedError(
-                f"module {name!r} is quantized ({type(method).__name__}): weightbus receives "
-                "unquantized models only until its FP8 codec exists (vLLM's FP8 layers "
-                "re-lay out and rescale their weights after loading, so bf16 bytes cannot be "
-                "written into them in place); serve the unquantized checkpoint"
+                f"module {name!r} is quantized ({kind}, weight_block_size={size}): weightbus "
+                "receives unquantized models and block-FP8 ones (weight_block_size [128, 128], "
+                "what its FP8 codec sends) only; serve the unquantized or a block-FP8 "
+                "checkpoint"
             )
+        if len(size) != 2 or size[0] != size[1]:
+            raise NotImplementedError(
+                f"module {name!r}: FP8 blocks {list(size)} are not square; weightbus' FP8 codec "
+                "uses square blocks (Fp8Config.block)"
+            )
+        if getattr(method, "use_marlin", False):
+            raise NotImplementedError(
+                f"module {name!r}: vLLM runs this FP8 layer through Marlin (weight-only FP8 on "
+                "GPUs without FP8 tensor cores), which repacks the weights after loading; "
+                "weightbus can write FP8 only into checkpoint-layout parameters: use a GPU with "
+                "FP8 support (compute capability 8.9+)"
+            )
+        backend = getattr(method, "fp8_backend", None)
+        if kind == _FP8_MOE and "TRITON" not in str(getattr(backend, "name", backend)).upper():
+            raise NotImplementedError(
+                f"module {name!r}: vLLM's FP8 MoE backend here is {backend!r}, which converts "
+                "w13 / w2 and their scales to its own format after loading (shuffles, scale "
+                "layouts), so they no longer hold the checkpoint layout weightbus writes; "
+                "select vLLM's Triton FP8 MoE backend (for example VLLM_USE_DEEP_GEMM=0 and "
+                "VLLM_USE_FLASHINFER_MOE_FP8=0)"
+            )
+        out[name] = (module, int(size[0]))
+    return out
+
+
+def _fp8_param_hint(name: str) -> str:
+    if name.endswith(SCALE_SUFFIX):
+        return (
+            "; this is an FP8 scale tensor: vLLM re-lays scales out after loading for DeepGEMM "
+            "(TMA-aligned or packed UE8M0) and on ROCm FNUZ platforms, where weightbus cannot "
+            "write them in place: run vLLM with VLLM_USE_DEEP_GEMM=0 on CUDA"
+        )
+    return ""
 
 
 def _attr(module: nn.Module, name: str) -> Any:
@@ -271,6 +399,7 @@ def bind(
     parallel: Mapping[str, int] | None = None,
     prefix: str = "",
     ignore: Iterable[str] = (),
+    fp8: Fp8Config | None = None,
 ) -> BoundLayout:
     """Tie ``layout`` to the live parameters of an engine model, by name.
 
@@ -279,11 +408,27 @@ def bind(
     no sync writes would keep its old values), except those matching a name in ``ignore``.
     With ``spec`` and ``parallel`` (keys ``tp``, ``tp_rank``, ``ep``, ``ep_rank``, ``moe_tp``,
     ``moe_tp_rank``, ``placement``, ``vocab_pad``) the engine layers' own attributes are checked
-    against the layout's assumptions too. Raises :class:`LayoutError` naming the tensor and
-    both sides' values, ``NotImplementedError`` for quantized models.
+    against the layout's assumptions too. A block-FP8 model needs ``fp8`` (the job's
+    :class:`~weightbus.codecs.Fp8Config`, its block equal to the model's) and ``layout`` its
+    wire layout (:func:`vllm_fp8_layout`). Raises :class:`LayoutError` naming the tensor and
+    both sides' values, ``NotImplementedError`` for quantization weightbus cannot write into
+    (see "FP8" in the module docstring).
     """
-    _refuse_quantized(model)
+    layers = _fp8_layers(model)
     who = layout.name
+    if layers:
+        name, (_, size) = next(iter(layers.items()))
+        if fp8 is None:
+            raise LayoutError(
+                f"{who}: the engine model is block-FP8 (e.g. {name!r}, blocks of {size}) but "
+                f"FP8 is off: pass SyncConfig(fp8=Fp8Config(block={size})) on every "
+                "participant, and bind the wire layout (weightbus.engines.vllm.vllm_fp8_layout)"
+            )
+        if any(b != fp8.block for _, b in layers.values()):
+            raise LayoutError(
+                f"{who}: the engine's FP8 blocks are {size} wide ({name!r}), Fp8Config.block "
+                f"is {fp8.block}: use Fp8Config(block={size}) on every participant"
+            )
     params = {name: p for name, p in model.named_parameters()}
     skip = set(ignore)
     tensors: dict[str, torch.Tensor] = {}
@@ -302,13 +447,14 @@ def bind(
             raise LayoutError(
                 f"{who}: engine parameter {name!r} is {tuple(data.shape)} "
                 f"{dtype_name(data.dtype)}, the layout says {local.shape} {local.dtype}: the "
-                "parallel settings or the model config given to weightbus differ from the "
-                "engine's"
+                "parallel settings, the model config or the FP8 setting (SyncConfig.fp8) given "
+                "to weightbus differ from the engine's" + _fp8_param_hint(name)
             )
         if not data.is_contiguous():
             raise LayoutError(
                 f"{who}: engine parameter {name!r} is not contiguous (strides {data.stride()}); "
                 "weightbus writes fused parameters as laid out by their loaders"
+                + _fp8_param_hint(name)
             )
         if spec is not None and parallel is not None:
             module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -325,6 +471,29 @@ def bind(
             "that are not weights of the checkpoint"
         )
     return BoundLayout(layout=layout, tensors=tensors)
+
+
+def check_fp8_bound(model: nn.Module, bound: BoundLayout, prefix: str = "") -> int:
+    """After a committed sync: every FP8 weight and scale tensor weightbus wrote is still the
+    storage of its engine parameter. vLLM's FP8 post-load processing is not re-run (see "FP8"
+    in the module docstring); this catches a vLLM that replaced the parameters since
+    :func:`bind`, which would otherwise keep serving stale weights silently. Returns how many
+    tensors were checked."""
+    params = dict(model.named_parameters())
+    count = 0
+    for local in bound.layout.locals:
+        if local.dtype != FP8_DTYPE and not local.key.endswith(SCALE_SUFFIX):
+            continue
+        mine, theirs = bound.tensors[local.key], params.get(prefix + local.key)
+        if theirs is None or theirs.data.data_ptr() != mine.data_ptr():
+            raise WeightbusError(
+                f"{bound.layout.name}: engine parameter {prefix + local.key!r} is no longer the "
+                "tensor weightbus bound and wrote (vLLM replaced it, e.g. by running its FP8 "
+                "post-load processing again): the engine serves stale weights; reconnect "
+                "weightbus after any reload (shutdown, then init_weight_transfer_engine)"
+            )
+        count += 1
+    return count
 
 
 def refresh_derived(model: nn.Module) -> int:
@@ -360,6 +529,20 @@ def _refresh_mla(holder: Any) -> None:
             f"and W_UK_T {tuple(uk_t.shape)} do not derive from it as (heads * (nope + v), "
             "kv_lora); this vLLM version lays MLA out differently"
         )
+    if weight.dtype == torch.float8_e4m3fn:
+        # block-FP8 kv_b_proj: derive from the dequantized weight (q * s per block), as vLLM
+        # dequantizes it for MLA
+        layer = holder.kv_b_proj
+        method = getattr(layer, "quant_method", None)
+        size = getattr(layer, "weight_block_size", None) or getattr(
+            method, "weight_block_size", None
+        )
+        if not size:
+            raise LayoutError(
+                "MLA attention: kv_b_proj.weight is FP8 but its layer names no "
+                "weight_block_size; weightbus refreshes W_UK_T / W_UV for block-FP8 only"
+            )
+        weight = dequantize(weight, layer.weight_scale_inv, block=int(size[0]))
     # kv_b_proj maps kv_lora -> heads * (nope + v); its transpose, split per head
     per_head = weight.t().reshape(kv_lora, heads, nope + v).to(uv.dtype)
     uk, uvv = per_head.split([nope, v], dim=-1)
@@ -398,6 +581,9 @@ class InitInfo:
     """SyncConfig.ignore_unread; must equal the writers'."""
     transport: str = "auto"
     """SyncConfig.transport."""
+    fp8: dict[str, Any] | None = None
+    """SyncConfig.fp8 as the fields of an Fp8Config (block, scale_format, eps, ignore), or
+    None for no FP8; must equal the writers'."""
     sync_timeout_s: float = 300.0
     """SyncConfig.sync_timeout in seconds."""
     connect_timeout_s: float = 300.0
@@ -411,6 +597,19 @@ class InitInfo:
                 f"reader_rank_offset={self.reader_rank_offset} must be in "
                 f"[0, num_readers={self.num_readers})"
             )
+        if self.fp8 is not None:
+            self.fp8_config()  # raises for unknown fields or bad values
+
+    def fp8_config(self) -> Fp8Config | None:
+        if self.fp8 is None:
+            return None
+        try:
+            return Fp8Config(**self.fp8)
+        except TypeError as e:
+            raise ValueError(
+                f"fp8={self.fp8!r} must hold Fp8Config fields (block, scale_format, eps, "
+                f"ignore): {e}"
+            ) from e
 
     @classmethod
     def from_configs(
@@ -429,6 +628,14 @@ class InitInfo:
             cast=dict(sync.cast),
             ignore_unread=list(sync.ignore_unread),
             transport=sync.transport,
+            fp8=None
+            if sync.fp8 is None
+            else {
+                "block": sync.fp8.block,
+                "scale_format": sync.fp8.scale_format,
+                "eps": sync.fp8.eps,
+                "ignore": list(sync.fp8.ignore),
+            },
             sync_timeout_s=sync.sync_timeout.total_seconds(),
             connect_timeout_s=sync.connect_timeout.total_seconds(),
             step_timeout_s=sync.step_timeout.total_seconds(),
@@ -450,6 +657,7 @@ class InitInfo:
             ignore_unread=tuple(self.ignore_unread),
             direct_bytes=self.direct_bytes,
             transport=self.transport,
+            fp8=self.fp8_config(),
             sync_timeout=timedelta(seconds=self.sync_timeout_s),
             connect_timeout=timedelta(seconds=self.connect_timeout_s),
             step_timeout=timedelta(seconds=self.step_timeout_s),
@@ -489,6 +697,7 @@ class Receiver:
         self.device = torch.device(device)
         self.prefix, self.ignore = prefix, tuple(ignore)
         self.reader: Reader | None = None
+        self.bound: BoundLayout | None = None
         self.last: SyncResult | None = None
 
     def connect(self, info: InitInfo) -> None:
@@ -511,7 +720,11 @@ class Receiver:
         )
         embed = dict(self.model.named_parameters()).get(self.prefix + "model.embed_tokens.weight")
         dtype = None if embed is None else dtype_name(embed.dtype)
+        control, sync = info.configs()
         layout = self.parallel.layout(self.spec, participant, dtype=dtype)
+        if sync.fp8 is not None:
+            _check_fp8_blocks(layout, sync.fp8)
+            layout = quantized_layout(layout, sync.fp8)
         bound = bind(
             self.model,
             layout,
@@ -519,11 +732,11 @@ class Receiver:
             parallel=self.parallel.checks(),
             prefix=self.prefix,
             ignore=self.ignore,
+            fp8=sync.fp8,
         )
-        control, sync = info.configs()
         reader = Reader(bound, control, sync)
         reader.connect()
-        self.reader = reader
+        self.reader, self.bound = reader, bound
         self.step_timeout = sync.step_timeout
 
     def receive(self, version: int) -> SyncResult:
@@ -545,14 +758,19 @@ class Receiver:
         return result
 
     def finish(self) -> None:
-        """Refresh tensors the engine derived from the weights (DeepSeek's MLA)."""
+        """Refresh tensors the engine derived from the weights (DeepSeek's MLA); check the FP8
+        parameters are still the ones written (vLLM's FP8 post-load processing is not re-run:
+        see "FP8" in the module docstring)."""
         with torch.no_grad():
             refresh_derived(self.model)
+        if self.bound is not None:
+            check_fp8_bound(self.model, self.bound, self.prefix)
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        self.bound = None
 
 
 def parallel_from_vllm(vllm_config: Any) -> VLLMParallel:
