@@ -19,7 +19,7 @@ from weightbus.control.store import ControlConfig, ControlPlane
 from weightbus.errors import PeerFailure, PlanMismatch, SyncTimeout, WeightbusError
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, wire_layout
-from weightbus.plan.program import BucketOp
+from weightbus.plan.program import BucketOp, direct_view
 from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
 from weightbus.transports.base import (
     TRANSPORT_ENV,
@@ -210,7 +210,7 @@ class _Session:
             if self.codec is not None:
                 self.direct = [self.codec.direct(op) for op in self.ops]
             else:
-                self.direct = [_direct_buffer(op, self.bound.tensors) for op in self.ops]
+                self.direct = [direct_view(op, self.bound.tensors) for op in self.ops]
             pulls = self.transport.pulls  # readers copy straight from the writers' tensors
             self._live_ptrs = {
                 c.key: self.bound.tensors[c.key].data_ptr()
@@ -443,17 +443,6 @@ def _select_transport(
             "SyncConfig.fp8 / delta off for this job"
         )
     return transport
-
-
-def _direct_buffer(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """The live bytes of a one-route bucket whose region is contiguous and needs no cast."""
-    if len(op.copies) != 1:
-        return None
-    c = op.copies[0]
-    view = tensors[c.key][c.index]
-    if view.dtype != c.dtype or not view.is_contiguous() or c.offset != 0 or c.nbytes != op.nbytes:
-        return None
-    return view.reshape(-1).view(torch.uint8)
 
 
 def _device_of(bound: BoundLayout) -> torch.device:

@@ -50,7 +50,7 @@ from weightbus.codecs.fp8 import (
     quantized_layout,
 )
 from weightbus.plan.planner import TransferPlan
-from weightbus.plan.program import BucketOp, Copy, build_program, unpack
+from weightbus.plan.program import BucketOp, Copy, build_program, direct_view, unpack
 from weightbus.spec import Layout, LayoutError
 
 __all__ = [
@@ -202,15 +202,9 @@ class WriterCodec:
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes of a bucket that may be sent in place (one contiguous route in the
         wire dtype, no delta), else None: quantized routes and deltas are always staged."""
-        if self.encoder is not None or len(op.copies) != 1:
+        if self.encoder is not None or any(c.tensor in self._fp8 for c in op.copies):
             return None
-        c = op.copies[0]
-        if c.tensor in self._fp8:
-            return None
-        view = self.tensors[c.key][c.index]
-        if view.dtype != c.dtype or not view.is_contiguous() or c.nbytes != op.nbytes:
-            return None
-        return view.reshape(-1).view(torch.uint8)
+        return direct_view(op, self.tensors)
 
     # -- each sync ---------------------------------------------------------------------------
 
@@ -321,13 +315,9 @@ class ReaderCodec:
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes a bucket may land in, in place (one contiguous route in the wire
         dtype, no delta), else None: delta buckets are always staged and decoded."""
-        if self.decoder is not None or len(op.copies) != 1:
+        if self.decoder is not None:
             return None
-        c = op.copies[0]
-        view = self.tensors[c.key][c.index]
-        if view.dtype != c.dtype or not view.is_contiguous() or c.nbytes != op.nbytes:
-            return None
-        return view.reshape(-1).view(torch.uint8)
+        return direct_view(op, self.tensors)
 
     def begin(self, version: int) -> None:
         self._syncing = int(version)

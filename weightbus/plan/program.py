@@ -14,7 +14,7 @@ import torch
 from weightbus.plan.planner import TransferPlan
 from weightbus.spec import torch_dtype
 
-__all__ = ["Copy", "BucketOp", "build_program", "pack", "unpack"]
+__all__ = ["Copy", "BucketOp", "build_program", "direct_view", "pack", "unpack"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +94,18 @@ def build_program(plan: TransferPlan, role: str, index: int) -> tuple[BucketOp, 
             )
         )
     return tuple(ops)
+
+
+def direct_view(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The live bytes of a one-route bucket whose region is contiguous and already in the wire
+    dtype: it can travel in place (no staging), else None."""
+    if len(op.copies) != 1:
+        return None
+    c = op.copies[0]
+    view = tensors[c.key][c.index]
+    if view.dtype != c.dtype or not view.is_contiguous() or c.offset != 0 or c.nbytes != op.nbytes:
+        return None
+    return view.reshape(-1).view(torch.uint8)
 
 
 def _wire_view(buf: torch.Tensor, c: Copy) -> torch.Tensor:
