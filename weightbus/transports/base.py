@@ -267,11 +267,20 @@ class Transport:
 
         ``peer`` is a Participant, a name, or a global rank (index in ``Roster.all``).
         """
+        self._refuse_if_pulling("send")
         return self._post("send", peer, buf, tag)
 
     def recv(self, peer: Participant | str | int, buf: torch.Tensor, tag: int) -> Handle:
         """Post receiving into all of ``buf`` from ``peer`` under ``tag``; returns at once."""
+        self._refuse_if_pulling("recv")
         return self._post("recv", peer, buf, tag)
+
+    def _refuse_if_pulling(self, op: str) -> None:
+        if self.pulls:
+            raise WeightbusError(
+                f"{self.name}: readers pull buckets straight into their tensors, nothing is "
+                f"{op}: post pull(peer, tag) after expose() (Writer and Reader do)"
+            )
 
     def pull(self, peer: Participant | str | int, tag: int) -> Handle:
         """Pulling transports, on a reader: post copying bucket ``tag`` of writer ``peer`` into

@@ -198,13 +198,6 @@ class CudaIpcTransport(Transport):
         self._device = cuda_device(self.participant)
         torch.cuda.set_device(self._device)
 
-    def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
-        super()._check_buffer(buf, what)
-        raise WeightbusError(
-            f"cuda_ipc: {what}: readers pull buckets straight into their tensors; post "
-            "pull(peer, tag) after expose() (Writer and Reader do), not send/recv of buffers"
-        )
-
     # -- connect-time ---------------------------------------------------------------------------
 
     def expose(self, program: Program) -> None:
@@ -516,11 +509,6 @@ class CudaIpcTransport(Transport):
         self._left[self._stage_of[src.name]] -= 1
         self._pulled += 1
         self._completed(handle)
-
-    def _send(self, handle: Handle, buf: torch.Tensor) -> None:
-        raise AssertionError("unreachable: _check_buffer refuses buffers")
-
-    _recv = _send
 
     def _close(self) -> None:
         self._buckets.clear()
