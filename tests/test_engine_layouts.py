@@ -36,6 +36,7 @@ from tests.engine_reference import (
     engine_rank_fp8_params,
     engine_rank_params,
 )
+from tests.layout_fixtures import QWEN3_MOE
 from tests.test_codec_fp8 import reference_quantize
 from weightbus.codecs.fp8 import Fp8Config, quantized_layout, scale_name
 from weightbus.engines import vllm as wv
@@ -70,20 +71,7 @@ CONFIGS = {
     "llama_bias": {**LLAMA, "attention_bias": True, "mlp_bias": True},
     "qwen2": {**LLAMA, "model_type": "qwen2", "num_key_value_heads": 2},
     "qwen3_tied": {**LLAMA, "model_type": "qwen3", "tie_word_embeddings": True},
-    "qwen3_moe": {
-        "model_type": "qwen3_moe",
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "moe_intermediate_size": 16,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "mlp_only_layers": [1],
-    },
+    "qwen3_moe": {**QWEN3_MOE, "num_experts_per_tok": 2},
     "mixtral": {
         "model_type": "mixtral",
         "vocab_size": 100,
