@@ -15,6 +15,7 @@ Scenarios (names from the project's bench guide):
   S4  FSDP2 on 2 GPUs -> tensor parallel 2 on 2 other GPUs
   S3  colocated: writer and reader processes on one GPU (CUDA IPC)
   S5  pinned host memory over the GPUs -> every GPU, beside checkpoint-engine (``s5.py``)
+  S4e S4 between real engines: FSDP2 trainer -> transformers tensor parallel (``engines.py``)
   S6  S1 with FP8 block quantization on the wire (reader holds FP8 engine tensors and scales)
   S7  S1 with sparse deltas, ``--changed`` (default 1%) of the elements changed before each sync
 
@@ -545,6 +546,12 @@ def main(argv: list[str] | None = None) -> int:
             from weightbus.bench import s5
 
             entry = s5.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
+            scenarios.extend([entry] if entry else [])
+            continue
+        if sname == "S4e":  # S4 between real engines (FSDP2 -> transformers TP): engines.py
+            from weightbus.bench import engines
+
+            entry = engines.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
             scenarios.extend([entry] if entry else [])
             continue
         if sname not in SCENARIOS:
