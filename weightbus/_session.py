@@ -134,6 +134,7 @@ class _Session:
     """Connect-time work common to :class:`~weightbus.Writer` and :class:`~weightbus.Reader`."""
 
     role: str
+    ready_order: int = 0  # a writer's (see Writer); pulling transports order sources by it
 
     def __init__(
         self, bound: BoundLayout, control: ControlConfig, config: SyncConfig | None = None
@@ -230,7 +231,9 @@ class _Session:
             ]
             self.transport.register(self._staging)
             tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
-            self.transport.expose(Program(self.ops, tensors, tuple(self.direct)))
+            self.transport.expose(
+                Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)
+            )
             self.bytes_per_sync = sum(op.nbytes for op in self.ops)
             self.plan = plan
         except BaseException as exc:

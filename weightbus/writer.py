@@ -33,8 +33,14 @@ class Writer(_Session):
     role = "writer"
     """This side's role."""
 
-    def __init__(self, *args, amax_reduce: AmaxReduce | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, amax_reduce: AmaxReduce | None = None, ready_order: int = 0, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.ready_order = int(ready_order)
+        """When this writer's tensors become final in a sync relative to the job's other
+        writers (lower first): pulling transports (CUDA IPC) take earlier ones first. Host
+        sources set it to the chunk index, since chunks reach the GPU in order."""
         self.amax_reduce = amax_reduce
         """With FP8 (``SyncConfig.fp8``) and writer shards that cut 128 x 128 blocks: an
         all-reduce (MAX) over the trainer's ranks holding the weights, through which writers

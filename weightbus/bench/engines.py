@@ -64,7 +64,11 @@ def _write_sparse_checkpoint(path: Path, preset: str) -> int:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         n = t.numel() * 2
-        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -122,6 +126,8 @@ def _configs(a, rank_role: str):
 
 def _loop(side, role: str, a, before_last=None) -> tuple[list, object]:
     """Warm-up, timed and one final sync, each after a barrier; the timed syncs' seconds."""
+    from weightbus.bench.gpu import profiled
+
     times, result = [], None
     total = a.warmup + a.iters + 1
     for i in range(total):
@@ -129,7 +135,8 @@ def _loop(side, role: str, a, before_last=None) -> tuple[list, object]:
             before_last()
         side.control.post(f"bench-ready/{i}", {})
         side.control.gather(f"bench-ready/{i}")
-        result = side.sync(i + 1) if role == "writer" else side.wait()
+        with profiled(f"S4e-{role}-{side.bound.layout.rank}", i, a.warmup):
+            result = side.sync(i + 1) if role == "writer" else side.wait()
         if a.warmup <= i < total - 1:
             times.append(result.seconds)
     return times, result

@@ -253,10 +253,11 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                 torch.cuda.synchronize()
             cp.post(f"bench-ready/{i}", {})
             cp.gather(f"bench-ready/{i}")
-            if role == "writer":
-                result = side.sync(i + 1)
-            else:
-                result = side.wait()
+            with profiled(f"{args.scenario}-{role}-{rank}", i, args.warmup):
+                if role == "writer":
+                    result = side.sync(i + 1)
+                else:
+                    result = side.wait()
             if args.warmup <= i < total - 1:
                 times.append(result.seconds)
                 sent.append(result.bytes)
@@ -293,6 +294,48 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                 f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
             )
         )
+
+
+def profiled(name: str, i: int, warmup: int):
+    """A profiler around sync ``i`` when ``$WEIGHTBUS_PROFILE_DIR`` is set and ``i`` is the first
+    timed sync: writes ``<name>.txt`` there (the ops by CPU time and by CUDA time); otherwise a
+    no-op. For finding where a scenario's time goes, not for its figures."""
+    import contextlib
+
+    where = os.environ.get("WEIGHTBUS_PROFILE_DIR")
+    if not where or i != warmup:
+        return contextlib.nullcontext()
+    return _Profile(Path(where) / f"{name}.txt")
+
+
+class _Profile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self):
+        import torch
+
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.cuda.synchronize()
+        self.prof.__exit__(*exc)
+        avg = self.prof.key_averages()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write(
+                avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+            )
+            f.write("\n")
+            f.write(
+                avg.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+            )
+        return False
 
 
 def _scenario_codecs(scenario: str, fp8_block: int = 128) -> dict:

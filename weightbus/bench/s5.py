@@ -138,6 +138,7 @@ def _source_worker(rank: int, args, q) -> None:
         import torch
         import torch.distributed as dist
 
+        from weightbus.bench.gpu import profiled
         from weightbus.sources import HostCheckpoint, HostSource, SourceConfig
 
         torch.cuda.set_device(rank)
@@ -181,7 +182,8 @@ def _source_worker(rank: int, args, q) -> None:
             for w in source.writers:
                 w.control.post(f"bench-ready/{i}", {})
             source.writers[0].control.gather(f"bench-ready/{i}")
-            result = source.sync(i + 1)
+            with profiled(f"S5-source-{rank}", i, args.warmup):
+                result = source.sync(i + 1)
             if args.warmup <= i < total - 1:
                 times.append(result.seconds)
         transport = source.writers[0].transport.name
@@ -210,6 +212,7 @@ def _reader_worker(rank: int, args, q) -> None:
         import torch
 
         from weightbus import BoundLayout, Participant, Reader
+        from weightbus.bench.gpu import profiled
         from weightbus.layouts.describe import build_layouts
         from weightbus.plan import allocate, poison
 
@@ -232,7 +235,8 @@ def _reader_worker(rank: int, args, q) -> None:
                 torch.cuda.synchronize()
             reader.control.post(f"bench-ready/{i}", {})
             reader.control.gather(f"bench-ready/{i}")
-            result = reader.wait()
+            with profiled(f"S5-reader-{rank}", i, args.warmup):
+                result = reader.wait()
             if args.warmup <= i < total - 1:
                 times.append(result.seconds)
         exact = _check(tensors, layout, device)

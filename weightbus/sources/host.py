@@ -164,7 +164,8 @@ class HostSource:
         self._streams: list[torch.cuda.Stream] = []
         self._staged_events: list[torch.cuda.Event] = []
         self.writers: tuple[Writer, ...] = tuple(
-            Writer(self._bind(c), control, self.sync_config) for c in range(ck.chunks)
+            Writer(self._bind(c), control, self.sync_config, ready_order=c)
+            for c in range(ck.chunks)
         )
         """One writer per chunk of the shard, chunk 0 first."""
         self._pool = (

@@ -108,6 +108,10 @@ class Program:
     """Its live local tensors by key (the trainer's or the engine's own storage)."""
     direct: tuple[torch.Tensor | None, ...]
     """Per op: the live contiguous bytes it moves in place, or None when it is staged."""
+    ready_order: int = 0
+    """A writer's: when its tensors become final in a sync relative to the job's other writers
+    (lower first, e.g. the chunk index of a host source staged chunk after chunk). Pulling
+    transports take sources that are ready earlier first."""
 
 
 class Handle:

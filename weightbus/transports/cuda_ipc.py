@@ -246,6 +246,7 @@ class CudaIpcTransport(Transport):
         return {
             "device": self._device.index,
             "event": b"" if event is None else bytes(event.ipc_handle()),
+            "order": int(program.ready_order),
             "events": [bytes(e.ipc_handle()) for e in events],
             "storages": [_share(st) for st in shared],
             "tensors": table,
@@ -270,9 +271,19 @@ class CudaIpcTransport(Transport):
         # copy engine feeding two GPUs at once, or a GPU fed by two, halves every stream's
         # bandwidth (2 x 2 transfers between 4 H200s measured ~400 GB/s in all, two disjoint
         # links ~790), so readers of one writer group take turns instead of sharing.
-        names = sorted({source_of(op) for op in program.ops}, key=roster.global_rank)
-        k = me.rank % len(names) if names else 0
-        names = names[k:] + names[:k]
+        # Sources whose tensors are final earlier come first (``Program.ready_order``: a host
+        # source's chunks reach its GPU one after the other); a relaying reader counts as
+        # the earliest writer it relays.
+        ready: dict[str, int] = {}
+        for op in program.ops:
+            n = source_of(op)
+            w = int(writers[roster.all[op.peer_global].name].get("order", 0))
+            ready[n] = min(ready.get(n, w), w)
+        names = []
+        for order in sorted(set(ready.values())):
+            group = sorted((n for n in ready if ready[n] == order), key=roster.global_rank)
+            k = me.rank % len(group)
+            names += group[k:] + group[:k]
         stage = {n: i for i, n in enumerate(names)}
         issue_order = sorted(program.ops, key=lambda op: stage[source_of(op)])
         # buckets a later reader pulls from this one: our regions shared, and an event (and a
