@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -248,8 +249,9 @@ class Participant:
     """Rank within the role, ``0 .. num_<role>s - 1``."""
     name: str = ""
     """Unique name in the job; default ``<role>-<rank>``."""
-    host: str = "localhost"
-    """Host id: participants on one host can use same-host transports."""
+    host: str = field(default_factory=socket.gethostname)
+    """Host id: participants on one host can use same-host transports (default: this
+    machine's host name, as host sources and engine adapters use)."""
     device: str = "cpu"
     """Device of the participant's tensors (``cpu``, ``cuda:0``)."""
 
