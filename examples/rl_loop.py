@@ -176,7 +176,12 @@ def _trainer(rank: int, args) -> None:
 
     from weightbus import Writer
     from weightbus.engines import hf
-    from weightbus.engines.torch_dist import full_state_dict, fully_shard_model, tensor_parallel
+    from weightbus.engines.torch_dist import (
+        full_state_dict,
+        fully_shard_model,
+        mixes_dtensors,
+        tensor_parallel,
+    )
 
     torch.set_num_threads(1)
     n = args.trainers
@@ -191,7 +196,8 @@ def _trainer(rank: int, args) -> None:
         mesh = init_device_mesh(device.type, (n // 2, 2), mesh_dim_names=("dp", "tp"))
         tensor_parallel(model, mesh["tp"])
         fully_shard_model(model, mesh["dp"])
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # plain norms beside DTensor weights (tensor parallel): torch's foreach kernels refuse them
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=not mixes_dtensors(model))
     control, sync = _configs(args)
     writer = Writer(hf.bind(model, "writer", rank), control, sync)
     plan = writer.connect()

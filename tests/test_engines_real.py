@@ -177,7 +177,12 @@ def _train(sc: dict, rank: int, port: int, out: Path) -> dict:
 
     from weightbus import Writer
     from weightbus.engines import hf
-    from weightbus.engines.torch_dist import full_state_dict, fully_shard_model, tensor_parallel
+    from weightbus.engines.torch_dist import (
+        full_state_dict,
+        fully_shard_model,
+        mixes_dtensors,
+        tensor_parallel,
+    )
 
     n = len(sc["trainer_devices"])
     device = torch.device(sc["trainer_devices"][rank])
@@ -193,7 +198,8 @@ def _train(sc: dict, rank: int, port: int, out: Path) -> dict:
         fully_shard_model(model, mesh["dp"])
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         raise AssertionError("the trainer's embeddings came untied")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # plain norms beside DTensor weights: torch's foreach kernels (CUDA's default) refuse them
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=not mixes_dtensors(model))
     control, sync = _configs(port, sc)
     writer = Writer(hf.bind(model, "writer", rank), control, sync)
     plan = writer.connect()

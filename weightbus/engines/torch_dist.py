@@ -41,6 +41,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard_model",
     "load_tensor_parallel",
+    "mixes_dtensors",
     "parallel_styles",
     "tensor_parallel",
 ]
@@ -141,6 +142,9 @@ def tensor_parallel(
     are tied again after, as one DTensor; a tied embedding the plan leaves out is sharded over
     the vocabulary like its column-parallel head, and a tie whose two modules get different
     placements is refused. Returns the ``{module name: ParallelStyle}`` applied.
+
+    Parameters the plan leaves out stay plain tensors, so on CUDA build the optimizer with
+    ``foreach=False`` (see :func:`mixes_dtensors`).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -181,6 +185,16 @@ def tensor_parallel(
             ", ".join(f"{m}.{a} -> {o}.{a}" for m, a, o in ties),
         )
     return styles
+
+
+def mixes_dtensors(model: nn.Module) -> bool:
+    """Whether some of ``model``'s parameters are DTensors and others plain tensors (after
+    :func:`tensor_parallel`, the parameters its plan leaves out, e.g. norms, stay plain).
+
+    torch's multi-tensor ("foreach") optimizer kernels, the default on CUDA, refuse such a
+    mix; build the optimizer with ``foreach=not mixes_dtensors(model)``."""
+    kinds = {isinstance(p, DTensor) for p in model.parameters()}
+    return len(kinds) == 2
 
 
 def fully_shard_model(model: nn.Module, mesh, blocks: tuple[str, ...] | None = None, **kwargs):
