@@ -299,7 +299,8 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
 def profiled(name: str, i: int, warmup: int):
     """A profiler around sync ``i`` when ``$WEIGHTBUS_PROFILE_DIR`` is set and ``i`` is the first
     timed sync: writes ``<name>.txt`` there (the ops by CPU time and by CUDA time); otherwise a
-    no-op. For finding where a scenario's time goes, not for its figures."""
+    no-op; with ``$WEIGHTBUS_PROFILE_TRACE`` set also ``<name>.trace.json``, the timeline. For
+    finding where a scenario's time goes, not for its figures."""
     import contextlib
 
     where = os.environ.get("WEIGHTBUS_PROFILE_DIR")
@@ -327,6 +328,8 @@ class _Profile:
         self.prof.__exit__(*exc)
         avg = self.prof.key_averages()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("WEIGHTBUS_PROFILE_TRACE"):  # the timeline too, for chrome://tracing
+            self.prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))
         with open(self.path, "w") as f:
             f.write(
                 avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
