@@ -105,7 +105,16 @@ class _Bucket:
     """One bucket as this reader pulls it: memcpy jobs, and (dst, src, wire dtype) pairs left
     to ``Tensor.copy_`` (casts, odd strides)."""
 
-    __slots__ = ("jobs", "nbytes", "pairs", "ready", "ready_index", "relayed", "source")
+    __slots__ = (
+        "jobs",
+        "nbytes",
+        "pairs",
+        "position",
+        "ready",
+        "ready_index",
+        "relayed",
+        "source",
+    )
 
     def __init__(self, source: _Source, nbytes: int) -> None:
         self.source = source
@@ -114,6 +123,7 @@ class _Bucket:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor, torch.dtype | None]] = []
         self.ready: torch.cuda.Event | None = None  # upstream reader's event for this bucket
         self.ready_index = -1  # which of the upstream's events that is
+        self.position = 0  # where this reader queues it among its source's buckets
         # ours to record after this bucket, (event, index), when it ends a relayed chunk
         self.relayed: tuple[torch.cuda.Event, int] | None = None
 
@@ -180,6 +190,8 @@ class CudaIpcTransport(Transport):
         self._stage = 0  # the source being queued now
         self._left: list[int] = []
         self._deferred: list[list[tuple[_Bucket, Handle]]] = []
+        self._held: list[dict[int, tuple[_Bucket, Handle]]] = []  # per source, by position
+        self._cursor: list[int] = []  # per source: the position queued next
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -285,7 +297,31 @@ class CudaIpcTransport(Transport):
             k = me.rank % len(group)
             names += group[k:] + group[:k]
         stage = {n: i for i, n in enumerate(names)}
-        issue_order = sorted(program.ops, key=lambda op: stage[source_of(op)])
+        # Relay tables go down the chains: an upstream reader always has a lower rank, so each
+        # reader waits for its upstreams' tables (where they queue what they relay), then
+        # posts its own. Within a source, buckets are queued in the order their bytes become
+        # ready: relayed ones as the upstream queues (and announces) them, so each hop runs
+        # one chunk behind the one before; a writer's as this reader posts them.
+        ups = sorted(
+            {roster.all[u[0]].name for (peer, _), u in upstream.items() if peer == mine},
+            key=roster.global_rank,
+        )
+        relays = control.gather(self._topic + "/relay", names=ups) if ups else {}
+        posted = {(op.peer_global, op.bucket): i for i, op in enumerate(program.ops)}
+        upstream_at: dict[tuple[int, int], int] = {}
+        for op in program.ops:
+            up = upstream.get((mine, op.bucket))
+            if up is not None:
+                tags = [bk[1] for bk in relays[roster.all[up[0]].name]["buckets"]]
+                upstream_at[(op.peer_global, op.bucket)] = (
+                    tags.index(up[1]) if up[1] in tags else -1
+                )
+
+        def queued(op) -> tuple[int, int, int]:
+            key = (op.peer_global, op.bucket)
+            return stage[source_of(op)], upstream_at.get(key, -1), posted[key]
+
+        issue_order = sorted(program.ops, key=queued)
         # buckets a later reader pulls from this one: our regions shared, and an event (and a
         # control message) per chunk of them in issue order: each wait on another process's
         # event pauses the waiting stream, so per-bucket events would throttle the relay,
@@ -310,7 +346,6 @@ class CudaIpcTransport(Transport):
         table = self._share_table(program, out_ops, events=events)
         table["covers"] = covers
         control.post(self._topic + "/relay", table)
-        relays = control.gather(self._topic + "/relay", role="reader")
         opened_events: dict[tuple[str, int], torch.cuda.Event] = {}
         sources: dict[str, tuple[_Source, dict, dict]] = {}
 
@@ -369,6 +404,15 @@ class CudaIpcTransport(Transport):
             self._counts[self._stage_of[b.source.name]] += 1
         self._left = list(self._counts)
         self._deferred = [[] for _ in self._order]
+        # each source's buckets are queued in issue order (see above), whatever order the
+        # reader posts them in
+        seen = [0] * len(self._order)
+        for op in issue_order:
+            b = self._buckets[(op.peer_global, op.bucket)]
+            b.position = seen[self._stage_of[b.source.name]]
+            seen[self._stage_of[b.source.name]] += 1
+        self._held = [{} for _ in self._order]
+        self._cursor = [0] * len(self._order)
         control.post(self._topic + "/opened", {})
         relayed = sum(b.ready is not None for b in self._buckets.values())
         logger.info(
@@ -442,7 +486,7 @@ class CudaIpcTransport(Transport):
         if stage != self._stage:
             self._deferred[stage].append((b, handle))
             return
-        self._issue(b, handle)
+        self._offer(stage, b, handle)
         while self._stage + 1 < len(self._order) and self._left[self._stage] == 0:
             done = self._order[self._stage]
             self._stage += 1
@@ -452,7 +496,7 @@ class CudaIpcTransport(Transport):
                 for z in dict.fromkeys((nxt.stream, nxt.side)):
                     z.wait_stream(a)
             for b2, h2 in self._deferred[self._stage]:
-                self._issue(b2, h2)
+                self._offer(self._stage, b2, h2)
             self._deferred[self._stage].clear()
         if self._pulled == len(self._buckets):  # every bucket of this sync is queued
             main = torch.cuda.current_stream(self._device)
@@ -466,6 +510,16 @@ class CudaIpcTransport(Transport):
                 src.last_ready = None
             self._stage = 0
             self._left = [n for n in self._counts]
+            self._cursor = [0] * len(self._order)
+
+    def _offer(self, stage: int, b: _Bucket, handle: Handle) -> None:
+        """Queue ``b`` once every bucket of its source that comes before it is queued."""
+        held = self._held[stage]
+        held[b.position] = (b, handle)
+        while self._cursor[stage] in held:
+            b2, h2 = held.pop(self._cursor[stage])
+            self._cursor[stage] += 1
+            self._issue(b2, h2)
 
     def _issue(self, b: _Bucket, handle: Handle) -> None:
         """Queue one bucket's copies. The reader's current stream waits for them all once the
