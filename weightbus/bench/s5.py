@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from weightbus.bench.gpu import _free_port
+    from weightbus.bench.gpu import _free_port, _plot
 
     n_gpu = torch.cuda.device_count()
     if n_gpu < 2:
@@ -571,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{date}-{kind}-s5.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, path.with_suffix(".png"))
     print(f"results: {path}", flush=True)
     return 0
 
