@@ -385,6 +385,17 @@ def test_h200_cuda_ipc_predictions_against_the_bench_results():
         assert abs(relative_error(pred.seconds, m["median_s"])) < 0.2, (name, pred.seconds)
 
 
+def test_h200_s5_prediction_against_the_bench_results():
+    # S5 runs over CUDA IPC with relay chains, which the simulator models only for GPU memory:
+    # its host-memory prediction is the staged model's (PCIe, then NVLink fan-out)
+    results = json.loads((ROOT / "bench" / "results" / "2026-11-21-4xh200-s5.json").read_text())
+    m = measured(results, "S5")
+    assert m["bit_exact"] and m["transport"] == "cuda_ipc"
+    sc = SCENARIOS["S5"]
+    pred = simulate(_scenario_plan("S5"), CLUSTERS["h200x4"], sc.options)
+    assert abs(relative_error(pred.seconds, m["median_s"])) < 0.2, (pred.seconds, m["median_s"])
+
+
 def test_h200_staged_model_unchanged():
     # the NCCL (staged) predictions as README's table has them, before CUDA IPC was modelled
     c = CLUSTERS["h200x4"]

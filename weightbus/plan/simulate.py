@@ -98,7 +98,10 @@ Machines (:data:`CLUSTERS`)
     (392.7); ``ipc_control_s`` (1.53 ms) is the one value fitted for CUDA IPC, from its S1
     (over cuda_ipc, the bench's default on one host); S2-S4 over cuda_ipc are predictions.
     ``ipc_call_s`` (5 us) is assumed ("a few microseconds" per memcpy call), not fitted. S5
-    (host memory) is not measured. ``h200-8x400g``: the same GPUs, 8 per node, one 400 Gb/s RDMA NIC
+    (host memory, ``bench/results/2026-11-21-4xh200-s5.json``) is predicted with the staged
+    model, which is the only one for host memory: 108.5 ms against 133.1 ms measured over
+    CUDA IPC relay chains (-18%); its PCIe rate is one GPU's alone (55.5 GB/s), while four
+    GPUs copying at once measured ~45 GB/s each. ``h200-8x400g``: the same GPUs, 8 per node, one 400 Gb/s RDMA NIC
     each; the NIC rate is the line rate times an assumed 90% efficiency (not measured here:
     the project's machines have no RDMA NIC).
 
