@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_codec_fp8 import (
     Q,
@@ -18,6 +21,7 @@ from tests.test_codec_fp8 import (
 from weightbus.codecs.delta import (
     DeltaConfig,
     DeltaPolicy,
+    _units,
     checksum,
     directory_bytes,
     encoded_size,
@@ -30,7 +34,8 @@ from weightbus.spec import Box, LayoutBuilder, Participant
 
 # ---------------------------------------------------------------------------------------------
 # a resharding scenario: 2 FSDP-style writers -> 3 readers with other cuts, a fused local, a
-# transposed (non-contiguous) local, a replica, a cast (fp32 -> bf16) and a 3-D tensor
+# transposed (non-contiguous) local, a replica, a cast (fp32 -> bf16), a 3-D tensor and column
+# cuts (writer regions that are strided in the writer's tensor)
 # ---------------------------------------------------------------------------------------------
 
 TENSORS = {
@@ -39,6 +44,7 @@ TENSORS = {
     "c.bias": ((77,), "bfloat16"),
     "d.experts": ((4, 10, 12), "bfloat16"),
     "e.weight": ((40, 33), "bfloat16"),
+    "f.weight": ((40, 36), "bfloat16"),
 }
 
 
@@ -83,8 +89,15 @@ def readers():
             ("e.weight", (0, 0), (40, 33), "fused", (17, 0)),
             ("c.bias", (0,), (77,), "c", (0,)),
             ("d.experts", (0, 0, 0), (2, 10, 12), "d", (0, 0, 0)),
+            ("f.weight", (0, 0), (40, 10), "f", (0, 0)),
         ],
-        {"a": ((90, 20), bf), "fused": ((57, 33), bf), "c": ((77,), bf), "d": ((2, 10, 12), bf)},
+        {
+            "a": ((90, 20), bf),
+            "fused": ((57, 33), bf),
+            "c": ((77,), bf),
+            "d": ((2, 10, 12), bf),
+            "f": ((40, 10), bf),
+        },
         lambda t: bf,
     )
     r1 = _layout(
@@ -94,8 +107,9 @@ def readers():
             ("a.weight", (0, 20), (90, 64), "a", (0, 0)),
             ("b.weight", (17, 0), (40, 33), "b", (0, 0)),
             ("d.experts", (2, 0, 0), (4, 10, 12), "d", (0, 0, 0)),
+            ("f.weight", (0, 10), (40, 36), "f", (0, 0)),
         ],
-        {"a": ((90, 44), bf), "b": ((23, 33), bf), "d": ((2, 10, 12), bf)},
+        {"a": ((90, 44), bf), "b": ((23, 33), bf), "d": ((2, 10, 12), bf), "f": ((40, 26), bf)},
         lambda t: bf,
     )
     r2 = _layout(
@@ -161,9 +175,17 @@ def change(canon, g, fraction):
             bits[j] = nan + int(torch.randint(1, 60, (1,), generator=g))
 
 
-def test_bit_exact_over_50_steps_with_resharding():
-    codecs = CodecConfig(delta=DeltaConfig(checksum_every=5))
+@pytest.mark.parametrize("variant", ["one window", "small windows", "shadow copied per window"])
+def test_bit_exact_over_50_steps_with_resharding(variant):
+    window = 3000 if variant == "small windows" else 1 << 30
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=5, window_bytes=window))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    if variant == "small windows":
+        assert all(len(w.encoder._windows) > 2 for w in wcs)
+    if variant == "shadow copied per window":
+        # what a GPU writer with a host shadow does: compare against a copy, write it back
+        for w in wcs:
+            w.encoder._local = False
     dense_bytes = plan.stats.total_bytes
     directories = sum(directory_bytes(op) for w in wcs for op in w.ops)
     g = torch.Generator().manual_seed(1)
@@ -345,6 +367,88 @@ def test_encoded_size_is_read_from_the_directory():
         encoded_size(torch.zeros(directory_bytes(op), dtype=torch.uint8))
 
 
+def test_units_are_words_where_the_region_allows():
+    x = torch.zeros(6, 40, dtype=torch.bfloat16)
+    assert _units(x)[0] == 8 and _units(x)[1].shape == (6, 10)
+    assert _units(x[:, 4:12])[0] == 8  # rows of aligned words, strided
+    assert _units(x[:, 2:12])[0] == 4
+    assert _units(x[:, 1:12])[0] == 2  # odd start: elements
+    assert _units(x.t())[0] == 2  # transposed: elements
+    assert _units(torch.zeros(3, dtype=torch.float32))[0] == 4
+    assert _units(torch.zeros((), dtype=torch.float32))[0] == 4
+    assert _units(torch.zeros(5, dtype=torch.float8_e4m3fn).view(torch.uint8))[0] == 1
+
+
+def test_word_frames_land_in_strided_and_element_only_readers():
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    g = torch.Generator().manual_seed(3)
+    for step in (1, 2):
+        if step == 2:
+            change(canon, g, 0.01)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, canon, t)
+        run_sync(plan, wcs, rcs, step)
+    assert_exact(rs, got, canon)
+    # reader 1 holds a transposed tensor: the writer's 8-byte words arrive element by element
+    ratios = {ratio for _, _, ratio in rcs[1].decoder._targets.values()}
+    units = {u for (_, _, u) in rcs[1].decoder._targets}
+    assert 8 in units and 4 in units and max(ratios) == 4
+    # a live tensor whose storage the trainer replaced: the writer finds its regions again
+    moved = live[0]["b.weight"]
+    moved.data = moved.detach().clone()
+    change(canon, g, 0.01)
+    for lay, t in zip(ws, live, strict=True):
+        fill_from_canonical(lay, canon, t)
+    run_sync(plan, wcs, rcs, 3)
+    assert_exact(rs, got, canon)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops: host syncs show up as nonzero and _local_scalar_dense (item, int)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_per_route():
+    """A sync waits for the device twice per window on the writer (one nonzero), once per
+    bucket on the reader (its directory), whatever the number of routes."""
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=4096))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    for lay, t in zip(ws, live, strict=True):
+        fill_from_canonical(lay, canon, t)
+    run_sync(plan, wcs, rcs, 1)
+    change(canon, torch.Generator().manual_seed(4), 0.01)
+    for lay, t in zip(ws, live, strict=True):
+        fill_from_canonical(lay, canon, t)
+    for w in wcs:
+        w.begin(2)
+    writer, reader = _OpCounter(), _OpCounter()
+    w = wcs[0]
+    by_bucket = {op.bucket: (rc, op) for rc in rcs for op in rc.ops}
+    for rc in rcs:
+        rc.begin(2)
+    for op in w.ops:
+        buf = torch.zeros(w.capacity(op), dtype=torch.uint8)
+        with writer:
+            w.pack(op, buf)
+        rc, rop = by_bucket[op.bucket]
+        with reader:
+            rc.encoded_size(rop, buf)
+            rc.unpack(rop, buf)
+    routes = sum(len(op.copies) for op in w.ops)
+    assert routes > 2 * len(w.encoder._windows) > 2
+    assert writer.ops["nonzero"] == len(w.encoder._windows)
+    assert writer.ops["_local_scalar_dense"] == 0 and reader.ops["_local_scalar_dense"] == 0
+    assert reader.ops["nonzero"] == 0
+
+
 def test_policy_rules():
     p = DeltaPolicy(DeltaConfig(checksum_every=3), num_readers=2)
     d = p.begin(1)
@@ -372,6 +476,8 @@ def test_policy_rules():
         DeltaConfig(max_changed_fraction=0.0)
     with pytest.raises(ValueError, match="shadow"):
         DeltaConfig(shadow="disk")
+    with pytest.raises(ValueError, match="window_bytes"):
+        DeltaConfig(window_bytes=0)
 
 
 def test_checksum_is_position_dependent():

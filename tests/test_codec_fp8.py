@@ -543,6 +543,19 @@ def test_writer_begin_runs_the_amax_reduce():
             assert torch.equal(grid, full), (w.name, t)
 
 
+def test_amax_pass_of_bound_tensors_equals_the_general_one():
+    canon = canonical(3)
+    codecs = CodecConfig(fp8=Fp8Config())
+    plan, wires_r, _, got, wcs, rcs = connect(
+        fsdp_writers(3), tp_readers(), codecs, canon, amax_reduce=in_process
+    )
+    for w in wcs:
+        bound = w.scales.partial(w.live)  # regions found at connect
+        flat = w.scales.flat.clone()
+        other = w.scales.partial(dict(w.live))  # another mapping: found again
+        assert torch.equal(w.scales.flat, flat) and torch.equal(bound, other)
+
+
 def test_non_finite_weights_are_refused():
     canon = canonical()
     canon[W][250, 7] = float("inf")

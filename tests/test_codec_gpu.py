@@ -19,7 +19,14 @@ from tests.test_codec_fp8 import (
     tp_readers,
 )
 from weightbus.codecs.delta import DeltaConfig
-from weightbus.codecs.fp8 import Fp8Config, block_amax, quantize, quantize_blocks
+from weightbus.codecs.fp8 import (
+    Fp8Config,
+    QuantizePlan,
+    block_amax,
+    quantize,
+    quantize_blocks,
+    scales_from_amax,
+)
 from weightbus.plan import PlanOptions, allocate, fill_from_canonical, make_plan
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, WriterCodec, run_sync, wire_layout
 
@@ -71,9 +78,65 @@ def test_amax_kernel_propagates_nan():
     assert a[0, 0].item() == 5.0 and math.isnan(a[1, 0].item()) and a[1, 2].item() == 0.0
 
 
-def test_codecs_end_to_end_on_gpu():
+def _regions(device, block):
+    """Sources of every dtype and stride the writer meets, at canonical origins that cut
+    blocks, each with its own grid of scales (from the torch amax), and output offsets."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(300, 270, generator=g).to(torch.bfloat16)
+    b = torch.randn(260, 150, generator=g).t()  # fp32, strided
+    c = torch.randn(200, 300, generator=g).to(torch.float16)[:, 7:290]
+    cpu = [(a[20:290, 5:260], (40, 9)), (b, (0, 0)), (c, (130, 3)), (a[:50, :70], (128, 0))]
+    out, off = [], 0
+    for x, origin in cpu:
+        s = scales_from_amax(block_amax(x, origin=origin, block=block, impl="torch"), Fp8Config())
+        out.append((x.to(device), origin, s.to(device), off, x.shape[1]))
+        off += x.numel() + 64
+    return out, off
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_one_launch_quantize_matches_the_torch_plan(block):
+    gpu, size = _regions("cuda", block)
+    cpu, _ = _regions("cpu", block)
+    plan = QuantizePlan(gpu, block, torch.device("cuda"))
+    assert plan._table is not None  # the Triton table, not torch
+    got = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
+    plan.run(got)
+    want = torch.full((size,), 7, dtype=torch.uint8)
+    QuantizePlan(cpu, block, torch.device("cpu")).run(want)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_one_launch_amax_merges_regions_and_propagates_nan():
+    from weightbus.codecs import _fp8_triton
+
+    block = 32
+    gpu, _ = _regions("cuda", block)
+    x0, o0, _, _, _ = gpu[0]
+    x0[100, 7] = float("nan")
+    # a second region over part of the first one's blocks: cells are raised, not overwritten
+    extra = x0[:60, :40] * 3
+    grids = [torch.zeros_like(s) for _, _, s, _, _ in gpu]
+    sub = grids[0][: -(-(o0[0] % block + 60) // block), : -(-(o0[1] % block + 40) // block)]
+    regions = [(x, o, gr, 0, 0) for (x, o, _, _, _), gr in zip(gpu, grids, strict=True)]
+    _fp8_triton.RegionTable([*regions, (extra, o0, sub, 0, 0)], block, torch.device("cuda")).amax()
+    for i, (x, o, _, _, _) in enumerate(gpu):
+        want = block_amax(x.cpu(), origin=o, block=block, impl="torch")
+        if i == 0:
+            part = block_amax(extra.cpu(), origin=o, block=block, impl="torch")
+            want[: part.shape[0], : part.shape[1]] = torch.maximum(
+                want[: part.shape[0], : part.shape[1]], part
+            )
+        assert torch.equal(grids[i].cpu().nan_to_num(-1.0), want.nan_to_num(-1.0))
+    assert math.isnan(grids[0][(o0[0] % block + 100) // block, (o0[1] % block + 7) // block])
+
+
+@pytest.mark.parametrize("shadow,window", [("device", 1 << 30), ("host", 40 << 10)])
+def test_codecs_end_to_end_on_gpu(shadow, window):
     cfg = Fp8Config()
-    codecs = CodecConfig(fp8=cfg, delta=DeltaConfig(checksum_every=2))
+    codecs = CodecConfig(
+        fp8=cfg, delta=DeltaConfig(checksum_every=2, shadow=shadow, window_bytes=window)
+    )
     canon = canonical(6)
     ws, rs = fsdp_writers(3), tp_readers()
     wires_r = [wire_layout(r, codecs) for r in rs]

@@ -3,12 +3,21 @@
 One program per block. Each computes exactly what :mod:`weightbus.codecs.fp8` specifies:
 correctly rounded fp32 divisions (``tl.div_rn``, not Triton's approximate ``/``), round to
 nearest-even into e4m3 after clamping, amax NaN-propagating (``tl.max`` alone would drop NaN).
+
+The *table* kernels serve the writer's hot path: a :class:`RegionTable` built once at connect
+lists fixed regions (addresses of live tensors, strides, block phases, where scales and
+results go) and every block of every region, so one launch quantizes a whole bucket, or
+computes every block amax of a writer, whatever the number of tensors. The tables hold raw
+addresses: the tensors they were built from must stay alive and in place (the writer's live
+parameters and scale grids do).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -93,6 +102,58 @@ def _fused_kernel(
     _store_q(q_ptr, sq0, sq1, x, s, rows, cols, mask, fmax, BLOCK)
 
 
+# a region table row, int64: source address, its 2 strides, rows, cols, row and col phase in
+# the block grid; grid address, its 2 strides; output offset (elements), output row stride
+_FIELDS = 12
+_XKIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+@triton.jit
+def _table_block(blocks_ptr, routes_ptr, XKIND: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's block: its region's row of the table, and the block's values."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = tl.load(blocks_ptr + pid * 3).to(tl.int64)
+    bi = tl.load(blocks_ptr + pid * 3 + 1).to(tl.int64)
+    bj = tl.load(blocks_ptr + pid * 3 + 2).to(tl.int64)
+    row = routes_ptr + r * 12
+    addr = tl.load(row + 0)
+    if XKIND == 0:
+        x_ptr = addr.to(tl.pointer_type(tl.bfloat16))
+    elif XKIND == 1:
+        x_ptr = addr.to(tl.pointer_type(tl.float16))
+    else:
+        x_ptr = addr.to(tl.pointer_type(tl.float32))
+    sx0 = tl.load(row + 1)
+    sx1 = tl.load(row + 2)
+    h = tl.load(row + 3)
+    w = tl.load(row + 4)
+    pr = tl.load(row + 5)
+    pc = tl.load(row + 6)
+    x, rows, cols, mask = _load_block(x_ptr, sx0, sx1, h, w, pr, pc, bi, bj, BLOCK)
+    return row, bi, bj, x, rows, cols, mask
+
+
+@triton.jit
+def _quant_table_kernel(
+    blocks_ptr, routes_ptr, q_ptr, fmax, XKIND: tl.constexpr, BLOCK: tl.constexpr
+):
+    row, bi, bj, x, rows, cols, mask = _table_block(blocks_ptr, routes_ptr, XKIND, BLOCK)
+    s_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+    s = tl.load(s_ptr + bi * tl.load(row + 8) + bj * tl.load(row + 9))
+    out = q_ptr + tl.load(row + 10)
+    _store_q(out, tl.load(row + 11), 1, x, s, rows, cols, mask, fmax, BLOCK)
+
+
+@triton.jit
+def _amax_table_kernel(blocks_ptr, routes_ptr, XKIND: tl.constexpr, BLOCK: tl.constexpr):
+    row, bi, bj, x, rows, cols, mask = _table_block(blocks_ptr, routes_ptr, XKIND, BLOCK)
+    # amaxes are >= 0 or a positive NaN, so their bits order like the values (NaN above inf):
+    # an integer atomic max merges blocks that several regions touch, NaN-propagating
+    g_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int32))
+    cell = g_ptr + bi * tl.load(row + 8) + bj * tl.load(row + 9)
+    tl.atomic_max(cell, _amax_of(x).to(tl.int32, bitcast=True), sem="relaxed")
+
+
 # warps per 128 x 128 block, measured on an H200 (bf16 in, 1 GiB): quantizing ran at 1.98 TB/s
 # of input with 16 warps, 1.70 with 8, 1.27 with 4 and 32; the amax pass at 4.46 TB/s with 8
 _QUANT_WARPS = 16
@@ -166,3 +227,68 @@ def quantize_blocks(x: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, t
             num_warps=_QUANT_WARPS,
         )
     return q, s
+
+
+class RegionTable:
+    """Fixed 2-D regions and all their blocks, on the device, for one-launch kernels.
+
+    ``regions``: per region ``(x, origin, dst, out_offset, out_row_stride)``: ``x`` a 2-D view
+    of a live tensor (any strides), ``origin`` its first element's canonical (row, col), ``dst``
+    the 2-D float32 grid of the blocks it touches (its scales to read, or the amaxes to raise),
+    and for quantizing, where its first result goes in the output buffer (elements) and that
+    output's row stride. Regions are grouped by source dtype, one launch per group.
+    """
+
+    def __init__(self, regions, block: int, device: torch.device) -> None:
+        self.block = block
+        self.groups: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []
+        by_kind: dict[int, list] = {}
+        for reg in regions:
+            x = reg[0]
+            if x.dtype not in _XKIND:
+                raise TypeError(f"FP8 kernels take bfloat16, float16 or float32, not {x.dtype}")
+            if x.numel():
+                by_kind.setdefault(_XKIND[x.dtype], []).append(reg)
+        for kind, regs in sorted(by_kind.items()):
+            rows = np.zeros((len(regs), _FIELDS), np.int64)
+            blocks = []
+            for i, (x, origin, dst, out_offset, out_stride) in enumerate(regs):
+                h, w = x.shape
+                pr, pc, nbr, nbc = _grid(origin, x.shape, block)
+                if tuple(dst.shape) != (nbr, nbc) or dst.dtype != torch.float32:
+                    raise ValueError(
+                        f"a region {tuple(x.shape)} at {tuple(origin)} touches {nbr} x {nbc} "
+                        f"blocks, its grid is {tuple(dst.shape)} {dst.dtype}"
+                    )
+                rows[i] = (
+                    x.data_ptr(), x.stride(0), x.stride(1), h, w, pr, pc,
+                    dst.data_ptr(), dst.stride(0), dst.stride(1), out_offset, out_stride,
+                )  # fmt: skip
+                bi, bj = np.meshgrid(np.arange(nbr), np.arange(nbc), indexing="ij")
+                blocks.append(np.stack([np.full(bi.size, i), bi.ravel(), bj.ravel()], 1))
+            table = torch.from_numpy(np.concatenate(blocks).astype(np.int32)).to(device)
+            self.groups.append((kind, table, torch.from_numpy(rows).to(device), len(table)))
+        self.device = torch.device(device)
+
+    def _on_device(self):
+        """Launch on the tables' device (Triton launches on the current one)."""
+        if self.device.index is not None and self.device.index != torch.cuda.current_device():
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def quantize(self, out: torch.Tensor) -> None:
+        """Quantize every region into ``out`` (uint8 or float8_e4m3fn, contiguous) with the
+        scales in the regions' grids."""
+        q = out.view(torch.float8_e4m3fn)
+        with self._on_device():
+            for kind, blocks, routes, n in self.groups:
+                _quant_table_kernel[(n,)](
+                    blocks, routes, q, FP8_MAX, XKIND=kind, BLOCK=self.block, num_warps=_QUANT_WARPS
+                )
+
+    def amax(self) -> None:
+        """Raise each region's grid cells to the amax of the region's part of the block
+        (grids zeroed, or holding amaxes, beforehand)."""
+        with self._on_device():
+            for kind, blocks, routes, n in self.groups:
+                _amax_table_kernel[(n,)](blocks, routes, XKIND=kind, BLOCK=self.block, num_warps=8)

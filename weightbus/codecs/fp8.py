@@ -57,7 +57,7 @@ import fnmatch
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +73,7 @@ __all__ = [
     "FP8_MAX",
     "SCALE_SUFFIX",
     "Fp8Config",
+    "QuantizePlan",
     "WriterScales",
     "all_reduce_max",
     "block_amax",
@@ -197,6 +198,14 @@ def _load_triton():
     return _fp8_triton
 
 
+def _region_table(regions: list, block: int, device: torch.device):
+    """A one-launch Triton table of fixed regions on a CUDA device, else None (torch)."""
+    if torch.device(device).type != "cuda" or not regions:
+        return None
+    kernels = _load_triton()
+    return None if kernels is None else kernels.RegionTable(regions, block, device)
+
+
 def _triton_kernels(x: torch.Tensor, impl: str):
     """The Triton module when ``impl`` allows it and ``x`` is on a GPU, else None."""
     if impl not in ("auto", "torch", "triton"):
@@ -301,9 +310,14 @@ def quantize(
     if tk is not None:
         tk.quantize(x, scales, origin, block, q)
         return out
-    v = x.float() / _expand(scales.float(), origin, x.shape, block)
-    q.copy_(v.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+    _quantize_torch(x, _expand(scales.float(), origin, x.shape, block), q)
     return out
+
+
+def _quantize_torch(x: torch.Tensor, s: torch.Tensor, q: torch.Tensor) -> None:
+    """The formula on torch, with ``s`` each element's scale."""
+    v = x.float() / s
+    q.copy_(v.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
 
 
 def _expand(scales: torch.Tensor, origin: Sequence[int], shape: Sequence[int], block: int):
@@ -642,6 +656,9 @@ class WriterScales:
         ]
         self.shared = shared_blocks(writers, self.quantized, block)
         self.exchange_size, self._at, self._flat_at = self._exchange_index(writers, device)
+        self._bound: Mapping[str, torch.Tensor] | None = None
+        self._amax_regions: list = []
+        self._amax_table = None
 
     def _exchange_index(self, writers, device) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The exchange buffer's size (the same list of blocks on every writer: per tensor in
@@ -677,19 +694,56 @@ class WriterScales:
             return f"{t} is cut inside block row {int(rows[0])}"
         return f"{t} is cut inside block column {int(cols[0])}"
 
+    def _cells(self, tensor: str, origin: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """The cells of ``tensor``'s scale grid for the blocks a region at canonical
+        ``origin`` of ``shape`` (last two dims) touches."""
+        block = self.config.block
+        o0, o1 = self.origin[tensor]
+        r, c = origin[0] // block - o0, origin[1] // block - o1
+        nr = _cdiv(origin[0] + shape[-2], block) - origin[0] // block
+        nc = _cdiv(origin[1] + shape[-1], block) - origin[1] // block
+        return self.tensors[scale_name(tensor)][r : r + nr, c : c + nc]
+
+    def bind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Fix the live tensors the amax pass reads: each piece's region and grid cells are
+        found once, and on CUDA one kernel launch covers every piece, whenever
+        :meth:`partial` is passed this same mapping (its tensors must stay in place)."""
+        regions = []
+        for t, key, index, origin in self._pieces:
+            x = _as_2d(tensors[key][index], f"{t} piece")
+            regions.append((x, origin, self._cells(t, origin, x.shape), 0, 0))
+        self._amax_table = _region_table(regions, self.config.block, self.flat.device)
+        self._amax_regions = regions
+        self._bound = tensors
+
+    def plan(self, items: Iterable[tuple[str, torch.Tensor, Sequence[int], int]]) -> QuantizePlan:
+        """A :class:`QuantizePlan` for ``(tensor, region, origin, offset)`` items: the region
+        (of a piece of ``tensor``, first element at canonical ``origin``) quantized into a
+        byte buffer at ``offset``, row-major."""
+        regions = []
+        for t, region, origin, offset in items:
+            x = _as_2d(region, f"{t} region")
+            origin = (int(origin[0]), int(origin[1]))
+            regions.append((x, origin, self._cells(t, origin, x.shape), int(offset), x.shape[1]))
+        return QuantizePlan(regions, self.config.block, self.flat.device)
+
     @torch.no_grad()
-    def partial(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def partial(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """Amax of the blocks this writer touches, into its grids; returns the exchange buffer
         (its entries for shared blocks, 0 where it holds none) or None when none is needed."""
         block = self.config.block
         self.flat.zero_()
-        for t, key, index, origin in self._pieces:
-            region = tensors[key][index]
-            a = block_amax(region, origin=origin, block=block)
-            o0, o1 = self.origin[t]
-            r, c = origin[0] // block - o0, origin[1] // block - o1
-            g = self.tensors[scale_name(t)][r : r + a.shape[0], c : c + a.shape[1]]
-            torch.maximum(g, a, out=g)
+        if tensors is self._bound and self._amax_table is not None:
+            self._amax_table.amax()
+        elif tensors is self._bound:
+            for x, origin, g, _, _ in self._amax_regions:
+                torch.maximum(g, block_amax(x, origin=origin, block=block, impl="torch"), out=g)
+        else:
+            for t, key, index, origin in self._pieces:
+                region = tensors[key][index]
+                a = block_amax(region, origin=origin, block=block)
+                g = self._cells(t, origin, region.shape)
+                torch.maximum(g, a, out=g)
         if not bool(torch.isfinite(self.flat).all()):
             self._raise_non_finite()
         if self.exchange_size == 0:
@@ -743,13 +797,35 @@ class WriterScales:
     ) -> None:
         """Quantize ``region`` (of a piece of ``tensor``, first element at canonical
         ``origin``) into ``out`` with this sync's scales."""
-        block = self.config.block
-        h, w = region.shape[-2], region.shape[-1]
-        o0, o1 = self.origin[tensor]
-        r, c = origin[0] // block - o0, origin[1] // block - o1
-        nr, nc = (
-            _cdiv(origin[0] + h, block) - origin[0] // block,
-            _cdiv(origin[1] + w, block) - origin[1] // block,
-        )
-        s = self.tensors[scale_name(tensor)][r : r + nr, c : c + nc]
-        quantize(region, s, origin=origin, block=block, out=out)
+        s = self._cells(tensor, origin, region.shape)
+        quantize(region, s, origin=origin, block=self.config.block, out=out)
+
+
+class QuantizePlan:
+    """Fixed regions of a writer's pieces, quantized into fixed places of a byte buffer with
+    the scales the grids hold at the time: built once per bucket at connect
+    (:meth:`WriterScales.plan`), run at every pack. On CUDA one Triton launch covers every
+    region; elsewhere torch, region by region, with each element's scale index precomputed.
+    """
+
+    def __init__(self, regions: list, block: int, device: torch.device) -> None:
+        self.regions = regions
+        """Per region: (2-D source, canonical origin, its scale cells, offset, row stride)."""
+        self._table = _region_table(regions, block, device)
+        self._torch = []
+        if self._table is None:
+            for x, origin, s, offset, _ in regions:
+                rows = torch.arange(origin[0], origin[0] + x.shape[0], device=s.device)
+                cols = torch.arange(origin[1], origin[1] + x.shape[1], device=s.device)
+                rows = rows.div_(block, rounding_mode="floor") - origin[0] // block
+                cols = cols.div_(block, rounding_mode="floor") - origin[1] // block
+                self._torch.append((x, s, rows, cols, offset, x.shape[0] * x.shape[1]))
+
+    def run(self, out: torch.Tensor) -> None:
+        """Quantize every region into ``out`` (uint8, contiguous) at its offset."""
+        if self._table is not None:
+            self._table.quantize(out)
+            return
+        for x, s, rows, cols, offset, n in self._torch:
+            q = out[offset : offset + n].view(torch.float8_e4m3fn).view(x.shape)
+            _quantize_torch(x, s[rows][:, cols], q)

@@ -20,13 +20,21 @@ committed. :func:`run_sync` does all of it in one process: the reference the tes
 
 On the wire (see :mod:`weightbus.codecs.delta`), a delta bucket is two messages: its header
 and directory, of a size fixed per bucket (tag ``op.bucket``), then, when the bucket holds
-more, the rest (tag :func:`rest_tag`), whose size the reader reads from the directory. FP8
-buckets are one message of the plan's size, like uncoded ones.
+more, the rest (tag :func:`rest_tag`), whose size the reader reads from the directory
+(:meth:`ReaderCodec.encoded_size`, which keeps it for ``unpack``). FP8 buckets are one
+message of the plan's size, like uncoded ones.
+
+Everything about a bucket that does not change between syncs is found at connect: the live
+regions of its routes, their scale cells, where each route's bytes go, and on CUDA the table
+of a one-launch quantize kernel; a pack then only launches kernels. The live tensors must
+stay in place (updated in place, as optimizers do); a writer whose tensors moved is noticed
+at ``begin`` and re-derives them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,12 +54,15 @@ from weightbus.codecs.fp8 import (
     SCALE_SUFFIX,
     AmaxReduce,
     Fp8Config,
+    QuantizePlan,
     WriterScales,
     quantized_layout,
 )
 from weightbus.plan.planner import TransferPlan
-from weightbus.plan.program import BucketOp, Copy, build_program, direct_view, unpack
+from weightbus.plan.program import BucketOp, build_program, direct_view, unpack
 from weightbus.spec import Layout, LayoutError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CodecConfig",
@@ -141,6 +152,27 @@ def _origins(plan: TransferPlan, op: BucketOp) -> tuple[tuple[int, int], ...]:
     return tuple((int(s[-2]), int(s[-1])) if len(s) >= 2 else (0, int(s[-1])) for s in starts)
 
 
+class _Packer:
+    """How one bucket's dense wire bytes are made from the live tensors, fixed at connect."""
+
+    __slots__ = ("copies", "quantize", "views")
+
+    def __init__(self, copies: list, quantize: QuantizePlan | None, views: tuple | None) -> None:
+        self.copies = copies
+        """Routes copied as they are (or cast): (live region, offset, bytes, dtype, shape)."""
+        self.quantize = quantize
+        """The bucket's FP8 routes, or None."""
+        self.views = views
+        """Every route's live region when none needs computing (no FP8, no cast), else None."""
+
+    def fill(self, out: torch.Tensor) -> None:
+        """Write the bucket's wire bytes into ``out`` (uint8), each route at its offset."""
+        for src, offset, nbytes, dtype, shape in self.copies:
+            out[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
+        if self.quantize is not None:
+            self.quantize.run(out)
+
+
 class WriterCodec:
     """One writer's codecs: FP8 scales and quantizing pack, delta shadow and encoder."""
 
@@ -181,13 +213,51 @@ class WriterCodec:
         self.tensors = {**self.live, **scale_tensors}
         """Local tensors by key: the live ones and the FP8 scale grids (what copies read)."""
         self._origins = {op.bucket: _origins(plan, op) for op in self.ops} if self._fp8 else {}
+        self._packers: dict[int, _Packer] = {}
+        self._where: list[int] = []
+        self._prepare()
         self.encoder: DeltaEncoder | None = None
         self.policy: DeltaPolicy | None = None
         if codecs.delta is not None:
-            self.encoder = DeltaEncoder(self.ops, codecs.delta, device=device, name=self.name)
+            self.encoder = DeltaEncoder(
+                self.ops,
+                codecs.delta,
+                fill=lambda op, out: self._packers[op.bucket].fill(out),
+                views=lambda op: self._packers[op.bucket].views,
+                device=device,
+                name=self.name,
+            )
             self.policy = DeltaPolicy(codecs.delta, len(plan.readers))
         self._decision: DeltaDecision | None = None
         self._version: int | None = None
+
+    def _prepare(self) -> None:
+        """Find every bucket's regions, scale cells and offsets (see the module docstring)."""
+        self._where = [t.data_ptr() for t in self.live.values()]
+        if self.scales is not None:
+            self.scales.bind(self.live)
+        for op in self.ops:
+            copies, quant, views = [], [], []
+            for i, c in enumerate(op.copies):
+                region = self.tensors[c.key][c.index]
+                if c.tensor in self._fp8:
+                    quant.append((c.tensor, region, self._origins[op.bucket][i], c.offset))
+                else:
+                    copies.append((region, c.offset, c.nbytes, c.dtype, c.shape))
+                    views.append(region if region.dtype == c.dtype else None)
+            plan = self.scales.plan(quant) if quant and self.scales is not None else None
+            whole = not quant and all(v is not None for v in views)
+            self._packers[op.bucket] = _Packer(copies, plan, tuple(views) if whole else None)
+
+    def _check_in_place(self) -> None:
+        """Re-derive the buckets if a live tensor moved since connect (its storage replaced)."""
+        if [t.data_ptr() for t in self.live.values()] != self._where:
+            logger.warning(
+                "writer %r: live tensors moved since connect (storage replaced, not updated "
+                "in place); finding their regions again",
+                self.name,
+            )
+            self._prepare()
 
     # -- connect-time facts ------------------------------------------------------------------
 
@@ -232,23 +302,13 @@ class WriterCodec:
         """Start the sync of ``version``: FP8 scales (amax pass and the writers' all-reduce,
         unless ``scales_ready``) and the delta decision."""
         self._version = int(version)
+        self._check_in_place()
         if self.scales is not None and not scales_ready:
             self.scales.update(self.live, self.amax_reduce)
         if self.policy is not None:
+            assert self.encoder is not None
             self._decision = self.policy.begin(self._version)
-
-    def _source(self, op: BucketOp, i: int, c: Copy, out: torch.Tensor | None = None):
-        region = self.tensors[c.key][c.index]
-        if c.tensor in self._fp8:
-            assert self.scales is not None
-            if out is None:
-                out = torch.empty(c.shape, dtype=c.dtype, device=region.device)
-            self.scales.quantize(c.tensor, region, self._origins[op.bucket][i], out)
-            return out
-        if out is not None:
-            out.copy_(region)
-            return out
-        return region if region.dtype == c.dtype else region.to(c.dtype)
+            self.encoder.begin(self._decision)
 
     @torch.no_grad()
     def pack(self, op: BucketOp, buf: torch.Tensor) -> int:
@@ -257,19 +317,16 @@ class WriterCodec:
         if self._version is None:
             raise RuntimeError(f"writer {self.name!r}: begin(version) before pack")
         if self.encoder is None:
-            for i, c in enumerate(op.copies):
-                dst = buf[c.offset : c.offset + c.nbytes].view(c.dtype).view(c.shape)
-                self._source(op, i, c, dst)
+            self._packers[op.bucket].fill(buf)
             return op.nbytes
-        assert self._decision is not None
-        return self.encoder.encode(
-            op, lambda i, c: self._source(op, i, c), buf, decision=self._decision
-        )
+        return self.encoder.encode(op, buf)
 
     def end(self) -> None:
         """Every bucket of this sync is packed."""
         if self.policy is not None and self._decision is not None:
             self.policy.sent(self._decision)
+        if self.encoder is not None:
+            self.encoder.end()
         self._decision = None
 
     def acknowledged(self, version: int, readers: Iterable[int]) -> None:
@@ -281,6 +338,8 @@ class WriterCodec:
         """The sync failed: the next one is dense for every reader."""
         if self.policy is not None:
             self.policy.abandon()
+        if self.encoder is not None:
+            self.encoder.end()
         self._decision = None
 
 
@@ -299,7 +358,9 @@ class ReaderCodec:
         self.ops = build_program(plan, "reader", index)
         self.tensors = dict(tensors)
         self.device = _device_of(self.tensors)
-        self.decoder = DeltaDecoder(self.name) if codecs.delta is not None else None
+        self.decoder = (
+            DeltaDecoder(self.ops, self.tensors, self.name) if codecs.delta is not None else None
+        )
         self.version: int | None = None
         """The version the live tensors hold."""
         self._syncing: int | None = None
@@ -319,6 +380,13 @@ class ReaderCodec:
             return None
         return direct_view(op, self.tensors)
 
+    def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
+        """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
+        (the first :meth:`directory_bytes`, all that must have arrived); the directory is
+        kept for :meth:`unpack`, so a bucket costs one device-to-host copy."""
+        assert self.decoder is not None, "encoded_size is for delta buckets"
+        return self.decoder.encoded_size(op, buf)
+
     def begin(self, version: int) -> None:
         self._syncing = int(version)
 
@@ -330,7 +398,7 @@ class ReaderCodec:
             return
         if self._syncing is None:
             raise RuntimeError(f"reader {self.name!r}: begin(version) before unpack")
-        self.decoder.decode(op, self.tensors, buf, version=self._syncing, held=self.version)
+        self.decoder.decode(op, buf, version=self._syncing, held=self.version)
 
     def end(self, version: int) -> None:
         """The sync of ``version`` is committed: the live tensors hold it."""
@@ -378,6 +446,8 @@ def run_sync(
             continue
         got = _random_bytes(r.capacity(rop), r.device)
         got[:used] = sent[:used].to(r.device)
+        if r.decoder is not None and r.encoded_size(rop, got) != used:
+            raise AssertionError(f"bucket {b}: the directory disagrees with the {used} bytes sent")
         r.unpack(rop, got)
         moved += used
     for w in writers:
