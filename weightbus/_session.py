@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,8 +16,14 @@ from weightbus import metrics as _metrics
 from weightbus.codecs.delta import DeltaConfig
 from weightbus.codecs.fp8 import Fp8Config
 from weightbus.control import status as _status
-from weightbus.control.store import ControlConfig, ControlPlane
-from weightbus.errors import PeerFailure, PlanMismatch, SyncTimeout, WeightbusError
+from weightbus.control.store import MEMBERS, ControlConfig, ControlPlane
+from weightbus.errors import (
+    MembershipError,
+    PeerFailure,
+    PlanMismatch,
+    SyncTimeout,
+    WeightbusError,
+)
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, wire_layout
 from weightbus.plan.program import BucketOp, direct_view
@@ -67,8 +74,23 @@ class SyncConfig:
     delta: DeltaConfig | None = None
     """Sparse, bit-exact deltas against the previous sync (:class:`weightbus.codecs.DeltaConfig`);
     every participant must enable it."""
+    verify: str = "checksum"
+    """Checks of every sync (:mod:`weightbus.verify`): "checksum" (per-route sums on both
+    sides, compared before readers acknowledge), "full" (debug: every byte compared through
+    the control store) or "off". Equal on every side."""
+    apply: str = "auto"
+    """Readers: "transactional" (receive into a copy of the tensors, copy it into the engine's
+    tensors only once every byte arrived and verified), "in_place" (receive straight into the
+    engine's tensors; a failed sync leaves them dirty) or "auto": transactional when a copy
+    takes at most half the free memory of the reader's device at connect, else in place."""
 
     def __post_init__(self) -> None:
+        if self.verify not in ("off", "checksum", "full"):
+            raise ValueError(
+                f"verify={self.verify!r} must be 'checksum' (the default), 'full' (debug) or 'off'"
+            )
+        if self.apply not in ("auto", "transactional", "in_place"):
+            raise ValueError(f"apply={self.apply!r} must be 'auto', 'transactional' or 'in_place'")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(
                 f"fp8={self.fp8!r} must be a weightbus.codecs.Fp8Config or None (no FP8)"
@@ -114,7 +136,8 @@ class SyncResult:
     seconds: float
     """Wall time of the whole sync on this participant."""
     phases: dict[str, float]
-    """Seconds per phase: plan (re-planning during the sync), pack, transfer, unpack, control."""
+    """Seconds per phase: plan (planning again for new members before the sync, elastic
+    membership; not part of ``seconds``), pack, transfer, unpack, control."""
 
     @property
     def gbps(self) -> float:
@@ -158,13 +181,21 @@ class _Session:
         """The codecs' state (WriterCodec / ReaderCodec), or None when none applies here."""
         self._staging: list[torch.Tensor] = []
         self._device = torch.device("cpu")
-        self._seq = 0
+        self._seq = 0  # this epoch's syncs: the number in the next sync's topics
+        self.syncs = 0
+        """Syncs this participant completed since connect."""
         self.version: int | None = None
         """The last version this participant synced (for a reader: the one its tensors hold)."""
         self._closed = False
         self._failed = ""
         self._live_ptrs: dict[str, int] = {}
         self.plan_seconds = 0.0
+        self.plan_index = 0
+        """This participant's place among the plan's writers or readers (its rank, while no
+        reader has left)."""
+        self._stale = False  # this epoch's plan no longer serves: a sync or connect failed
+        self._checked = -1  # the sync number whose membership check is done
+        self._refused = False  # a joining reader the running job would not take
 
     @property
     def name(self) -> str:
@@ -177,73 +208,97 @@ class _Session:
         A layout disagreement raises :class:`~weightbus.spec.LayoutError` here, and a codec
         disagreement :class:`~weightbus.errors.PlanMismatch`, on every participant, before any
         byte moves.
+
+        A reader that connects while the job runs (elastic membership, see
+        :class:`~weightbus.ControlConfig`) is admitted by writer rank 0 at the start of the
+        writers' next sync; connect returns then, and that sync brings it to the current
+        version. If its layout or codecs do not fit the running job, only it raises: the
+        others go on without it.
         """
         try:
             self.control.connect()
-            codecs = self.config.codecs()
-            self._agree_codecs(codecs)
-            writers, readers = self.control.exchange_layouts(
-                self._wire_layout(codecs), timeout=self.config.connect_timeout
-            )
-            t_plan = time.perf_counter()
-            check_codec_layouts(writers, readers)
-            plan = make_plan(writers, readers, self.config.plan_options())
-            self.plan_seconds = time.perf_counter() - t_plan
-            self.control.agree("plan", plan.digest, timeout=self.config.connect_timeout)
-            index = self.bound.layout.rank
-            self.codec = self._make_codec(plan, codecs) if codecs.active else None
-            if self.codec is not None:
-                self.ops = self.codec.ops
-            else:
-                self.ops = build_program(plan, self.role, index)
-            # the transport's own per-operation bound must not cut a sync short: a writer's
-            # sends wait for readers that may still be finishing their rollouts
-            cfg = self.config
-            self.transport = _select_transport(
-                cfg.transport,
-                plan,
-                self.bound.layout.participant,
-                codecs,
-                timeout=max(cfg.sync_timeout, cfg.step_timeout),
-            )
-            self.transport.connect(self.control, plan.participants)
-            device = self._device = _device_of(self.bound)
-            if self.codec is not None:
-                self.direct = [self.codec.direct(op) for op in self.ops]
-            else:
-                self.direct = [direct_view(op, self.bound.tensors) for op in self.ops]
-            pulls = self.transport.pulls  # readers copy straight from the writers' tensors
-            self._live_ptrs = {
-                c.key: self.bound.tensors[c.key].data_ptr()
-                for op, live in zip(self.ops, self.direct, strict=True)
-                if live is not None or pulls
-                for c in op.copies
-            }
-            staged = [
-                self.codec.capacity(op) if self.codec is not None else op.nbytes
-                for op, d in zip(self.ops, self.direct, strict=True)
-                if d is None and not pulls
-            ]
-            largest = max(staged, default=0)
-            n = min(self.config.staging_buffers, len(staged))
-            self._staging = [
-                torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)
-            ]
-            self.transport.register(self._staging)
-            tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
-            self.transport.expose(
-                Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)
-            )
-            self.bytes_per_sync = sum(op.nbytes for op in self.ops)
-            self.plan = plan
+            if self.control.joining:
+                self.control.request_entry(-1)
+                self.control.await_roster(-1, timeout=self.config.connect_timeout)
+            plan = self._build()
         except BaseException as exc:
-            self._fail(exc)
+            if not self._refused:
+                self._fail(exc)
             self._teardown()
             raise
+        return plan
+
+    def _build(self) -> TransferPlan:
+        """Everything static, for the members of the control plane's current epoch: agree on
+        the codecs, exchange layouts, plan, agree on the plan digest, build the codecs' state
+        and the transport. Runs at connect and again whenever the members change."""
+        self._seq = self._checked = 0  # sync numbers count from 0 in every epoch
+        self.transport = None
+        first = self.plan is None
+        codecs = self.config.codecs()
+        self._agree_codecs(codecs)
+        refused: dict[str, Exception] = {}
+        writers, readers = self.control.exchange_layouts(
+            self._wire_layout(codecs), timeout=self.config.connect_timeout, refused=refused
+        )
+        self._refuse(refused)
+        t_plan = time.perf_counter()
+        plan = self._make_plan(writers, readers)
+        self.plan_seconds = time.perf_counter() - t_plan
+        self._agree("plan", plan.digest, lambda exc: exc)
+        mine = plan.writers if self.role == "writer" else plan.readers
+        index = self.plan_index = [lay.name for lay in mine].index(self.name)
+        self.codec = self._make_codec(plan, codecs) if codecs.active else None
+        if self.codec is not None:
+            self.ops = self.codec.ops
+        else:
+            self.ops = build_program(plan, self.role, index)
+        # the transport's own per-operation bound must not cut a sync short: a writer's
+        # sends wait for readers that may still be finishing their rollouts
+        cfg = self.config
+        self.transport = _select_transport(
+            cfg.transport,
+            plan,
+            self.bound.layout.participant,
+            codecs,
+            timeout=max(cfg.sync_timeout, cfg.step_timeout),
+        )
+        self.transport.connect(self.control, plan.participants)
+        device = self._device = _device_of(self.bound)
+        if self.codec is not None:
+            self.direct = [self.codec.direct(op) for op in self.ops]
+        else:
+            self.direct = [direct_view(op, self.bound.tensors) for op in self.ops]
+        pulls = self.transport.pulls  # readers copy straight from the writers' tensors
+        self._live_ptrs = {
+            c.key: self.bound.tensors[c.key].data_ptr()
+            for op, live in zip(self.ops, self.direct, strict=True)
+            if live is not None or pulls
+            for c in op.copies
+        }
+        staged = [
+            self.codec.capacity(op) if self.codec is not None else op.nbytes
+            for op, d in zip(self.ops, self.direct, strict=True)
+            if d is None and not pulls
+        ]
+        largest = max(staged, default=0)
+        n = min(self.config.staging_buffers, len(staged))
+        self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
+        self.transport.register(self._staging)
+        tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
+        self.transport.expose(
+            Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)
+        )
+        self.bytes_per_sync = sum(op.nbytes for op in self.ops)
+        self.plan = plan
+        self._on_build()
+        self._stale = False
+        self._failed = ""
         logger.info(
-            "%s connected: %d buckets (%d in place), %.1f MB per sync on this %s; plan %s (%s); "
-            "transport %s; codecs %s",
+            "%s %s: %d buckets (%d in place), %.1f MB per sync on this %s; plan %s (%s); "
+            "transport %s; codecs %s; membership epoch %d with %d readers",
             self.name,
+            "connected" if first else "planned again",
             len(self.ops),
             sum(d is not None for d in self.direct),
             self.bytes_per_sync / 1e6,
@@ -252,10 +307,89 @@ class _Session:
             plan.stats.summary(),
             self.transport.name,
             codecs.summary(),
+            self.control.epoch,
+            len(plan.readers),
         )
         _status.publish(self)
         _metrics.on_connect(self)
         return plan
+
+    def _on_build(self) -> None:
+        """Subclasses: connect-time work of their own, run at the end of every
+        :meth:`_build` (the first connect and each new membership epoch); collective work
+        here must be done by every participant of the epoch."""
+
+    def _make_plan(self, writers: list[Layout], readers: list[Layout]) -> TransferPlan:
+        """The plan for this epoch's layouts. Readers are numbered by their place among the
+        epoch's readers (ranks may have gaps once some left). A reader that joined in this
+        epoch and whose layout cannot be planned is refused, and the others planned without
+        it; the others' own disagreements raise as usual."""
+        options = self.config.plan_options()
+        if not readers:
+            raise MembershipError(
+                f"{self.name}: no reader is left in membership epoch {self.control.epoch} of "
+                f"job {self.control.config.job!r} (every reader left or died); syncs fail "
+                "until one joins"
+            )
+
+        def plan_for(group: list[Layout]) -> TransferPlan:
+            ranked = _numbered(group)
+            check_codec_layouts(writers, ranked)
+            return make_plan(writers, ranked, options)
+
+        try:
+            return plan_for(readers)
+        except LayoutError:
+            joined = [r for r in readers if r.name in self.control.joined]
+            if not joined:
+                raise
+            base = [r for r in readers if r.name not in self.control.joined]
+            bad: dict[str, Exception] = {}
+            for r in joined:
+                try:
+                    plan_for(sorted([*base, r], key=lambda lay: lay.rank))
+                except LayoutError as e:
+                    bad[r.name] = e
+            if not bad:
+                raise
+        self._refuse(bad)
+        return plan_for([r for r in readers if r.name not in bad])
+
+    def _agree(
+        self, topic: str, digest: str, error: Callable[[PlanMismatch], BaseException]
+    ) -> None:
+        """Agree on ``digest`` with every participant; on a disagreement raise ``error(exc)``,
+        unless only readers that joined in this epoch disagree with everyone else: those are
+        refused and the others go on."""
+        try:
+            self.control.agree(topic, digest, timeout=self.config.connect_timeout)
+        except PlanMismatch as exc:
+            joined = set(self.control.joined)
+            held = [d for d, names in exc.groups.items() if set(names) - joined]
+            if not joined or len(held) != 1:
+                raise error(exc) from None
+            why = error(exc)
+            refused = {n: why for d, names in exc.groups.items() if d != held[0] for n in names}
+            self._refuse(refused)
+
+    def _refuse(self, refused: Mapping[str, BaseException]) -> None:
+        """Readers that joined in this epoch and do not fit the job: each of them raises its
+        error (quietly: the others are fine), the others leave them out of this epoch."""
+        if not refused:
+            return
+        if self.name in refused:
+            self._refused = True
+            err = refused[self.name]
+            if err.args and isinstance(err.args[0], str):
+                err.args = (
+                    f"{self.name} cannot join the running job {self.control.config.job!r}: "
+                    f"{err.args[0]}",
+                    *err.args[1:],
+                )
+            raise err
+        self.control.exclude(refused)
+        for name, err in refused.items():
+            logger.warning("%s: reader %r refused joining the job: %s", self.name, name, err)
 
     def _make_codec(self, plan: TransferPlan, codecs: CodecConfig):
         """This side's codec state for ``plan``, or None when this side needs none."""
@@ -264,22 +398,23 @@ class _Session:
     def _agree_codecs(self, codecs: CodecConfig) -> None:
         """Every participant must put the same codecs on the wire: one that quantizes to FP8
         or sends deltas while another does not fails here, naming both sides."""
-        try:
-            self.control.agree("codecs", codecs.digest(), timeout=self.config.connect_timeout)
-        except PlanMismatch as exc:
+
+        def error(exc: PlanMismatch) -> PlanMismatch:
             parts = [
                 f"{', '.join(names)} with {_codec_words(digest)}"
                 for digest, names in sorted(exc.groups.items(), key=lambda kv: -len(kv[1]))
             ]
             same = len({d.split(":")[0] for d in exc.groups}) == 1
-            raise PlanMismatch(
+            return PlanMismatch(
                 "participants disagree on the codecs on the wire: "
                 + "; ".join(parts)
                 + (" (the same codecs with other settings)" if same else "")
                 + ". Pass equal SyncConfig.fp8 (Fp8Config, its ignore list included) and "
                 "SyncConfig.delta to every writer and reader",
                 exc.groups,
-            ) from None
+            )
+
+        self._agree("codecs", codecs.digest(), error)
 
     def _wire_layout(self, codecs: CodecConfig) -> Layout:
         """The layout to declare: with FP8, a writer's quantized weights and scale grids (its
@@ -314,6 +449,7 @@ class _Session:
     ) -> SyncResult:
         """Record a completed sync: advance the sequence and version, log one INFO line."""
         self._seq += 1
+        self.syncs += 1
         self.version = version
         result = SyncResult(
             participant=self.name, version=version, bytes=nbytes, seconds=seconds, phases=phases
@@ -325,30 +461,143 @@ class _Session:
 
     def _fail(self, exc: BaseException) -> None:
         """Tell every other participant (unless the failure came from one of them), abort the
-        transport so nothing stays in flight, and refuse further syncs."""
+        transport so nothing stays in flight, and mark this epoch failed. With elastic
+        membership the next sync forms a new epoch; without, further syncs are refused."""
         text = f"{type(exc).__name__}: {exc}"
         self._failed = self._failed or text.splitlines()[0]
+        self._stale = True
         _metrics.on_failure(self)
         if not isinstance(exc, PeerFailure):
             try:
                 self.control.fail(text)
             except Exception:  # the control plane itself may be what failed
                 logger.debug("could not report failure of %s", self.name, exc_info=True)
+        self.control.abort_epoch()
         _status.publish(self, error=text)
         if self.transport is not None:
             self.transport.abort(text)
 
     def _require_connected(self) -> None:
-        if self._failed:
+        if self._closed:
+            raise WeightbusError(f"{self.name}: closed")
+        if self._refused:
+            raise WeightbusError(
+                f"{self.name}: the running job refused it ({self._failed}) and it left; "
+                f"connect a new {type(self).__name__} whose layout and configuration fit"
+            )
+        if self._failed and (self.plan is None or not self.control.config.elastic):
             raise WeightbusError(
                 f"{self.name}: an earlier sync or connect failed ({self._failed}); build a new "
                 f"{type(self).__name__} (every participant of the job has seen the failure)"
             )
         if self.plan is None:
             raise WeightbusError(f"{self.name}: call connect() before syncing")
-        if self._closed:
-            raise WeightbusError(f"{self.name}: closed")
-        self._check_live_tensors()
+        if not self._stale:  # a new epoch takes the tensors' pointers anew
+            self._check_live_tensors()
+
+    def _begin_sync(self, timeout: timedelta) -> float:
+        """Elastic membership, first thing in every sync (writer) and wait (reader): follow
+        writer rank 0 into a new epoch when the members changed or the last sync failed, and
+        plan again for it. Returns the seconds spent planning again (0 when nothing changed):
+        the sync's ``plan`` phase, not counted in its ``seconds``.
+
+        ``timeout`` bounds a reader's wait for writer rank 0; :class:`SyncTimeout` from that
+        wait means no sync began, and the reader may wait again.
+        """
+        if not self.control.config.elastic or (self._checked == self._seq and not self._stale):
+            return 0.0
+        try:
+            moved = self._follow(timeout)
+        except SyncTimeout as exc:
+            if self.role == "reader":
+                raise  # writer rank 0 began no sync: nothing is half done, wait again
+            self._fail(exc)
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        seconds = 0.0
+        if moved:
+            t0 = time.perf_counter()
+            try:
+                self._build()
+            except BaseException as exc:
+                if self._refused:  # the others went on without it: it leaves quietly
+                    self._failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    self._teardown()
+                else:
+                    self._fail(exc)
+                raise
+            seconds = time.perf_counter() - t0
+        self._checked = self._seq
+        return seconds
+
+    def _follow(self, timeout: timedelta) -> bool:
+        """Find out, for the sync about to begin, whether this participant moves to a new
+        epoch, and if so get there (its roster entered, its old transport gone); True then."""
+        control = self.control
+        coordinator = self.role == "writer" and self.bound.layout.rank == 0
+        if not self._stale and control.epoch_aborted():
+            self._aborted_elsewhere()
+        if not self._stale:
+            if coordinator:
+                change = control.membership_changed()
+                if change and control.epoch_aborted():
+                    self._aborted_elsewhere()
+                control.post(f"members/{self._seq}", {"epoch": control.epoch + int(change)})
+                if not change:
+                    return False
+            else:
+                news = control.gather(
+                    f"members/{self._seq}",
+                    names=[control.coordinator],
+                    timeout=timeout,
+                    schema=MEMBERS,
+                )
+                if news[control.coordinator]["epoch"] == control.epoch:
+                    return False
+        self._stale = True
+        self._drop_transport()
+        after = control.epoch
+        if coordinator:
+            control.form_epoch(
+                writers_timeout=self.config.connect_timeout,
+                readers_timeout=control.config.rejoin_timeout,
+            )
+        else:
+            control.request_entry(after)
+            wait = timeout if self.role == "reader" else self.config.connect_timeout
+            control.await_roster(after, timeout=wait)
+        return True
+
+    def _aborted_elsewhere(self) -> None:
+        """A failure elsewhere ended this epoch while this participant was not syncing: it
+        hears of it now (a failure reaches every participant) and comes back next time."""
+        control = self.control
+        control.raise_if_failed(fresh=True)
+        raise PeerFailure(
+            f"{self.name}: a sync or connect failed in membership epoch {control.epoch} while "
+            "this participant was not syncing (a heartbeat or a transport said so); the next "
+            f"{'sync' if self.role == 'writer' else 'wait'} goes on without whoever failed"
+        )
+
+    def _drop_transport(self) -> None:
+        """Close this epoch's transport (abort it when the epoch failed)."""
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        try:
+            if self._failed:
+                transport.abort(self._failed)
+            else:
+                transport.close()
+        except Exception:
+            logger.debug(
+                "%s: closing the transport of epoch %d",
+                self.name,
+                self.control.epoch,
+                exc_info=True,
+            )
 
     def _check_live_tensors(self) -> None:
         """In-place sends and receives hold views taken at connect: refuse to sync if the
@@ -446,6 +695,18 @@ def _select_transport(
             "SyncConfig.fp8 / delta off for this job"
         )
     return transport
+
+
+def _numbered(readers: list[Layout]) -> list[Layout]:
+    """``readers`` (sorted by rank) with ranks ``0..n-1`` as the planner takes them: once a
+    reader left, the others keep their ranks but not their places."""
+    out = []
+    for i, lay in enumerate(readers):
+        if lay.rank != i:
+            who = dataclasses.replace(lay.participant, rank=i)
+            lay = dataclasses.replace(lay, participant=who, _memo={})
+        out.append(lay)
+    return out
 
 
 def _device_of(bound: BoundLayout) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AccessDenied",
+    "ChecksumMismatch",
     "MembershipError",
     "PeerFailure",
     "PlanMismatch",
@@ -63,3 +64,36 @@ class AccessDenied(WeightbusError, PermissionError):
 class ProtocolError(WeightbusError):
     """A participant posted a control message that is malformed: not what the protocol allows
     for that topic (missing or unknown fields, wrong types, undecodable bytes)."""
+
+
+class ChecksumMismatch(WeightbusError):
+    """Bytes a reader holds after a sync differ from what a writer sent (``SyncConfig.verify``).
+
+    The message names the tensor, its region, the bucket, the writer, the reader and both sums;
+    the attributes carry the same on the reader that raised it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str,
+        writer: str,
+        reader: str,
+        bucket: int,
+        expected: tuple[int, int] | None,
+        got: tuple[int, int] | None,
+    ) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        """Canonical name of the tensor whose route differs ("" when no route could be named)."""
+        self.writer = writer
+        """The writer that sent it."""
+        self.reader = reader
+        """The reader that holds it."""
+        self.bucket = bucket
+        """The bucket it travelled in."""
+        self.expected = expected
+        """The writer's sums ``(s1, s2)``, or None (full compare)."""
+        self.got = got
+        """The reader's sums ``(s1, s2)``, or None (full compare)."""

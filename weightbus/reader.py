@@ -1,8 +1,27 @@
-"""The inference side: ``Reader.wait()`` receives each new version in place into the engine."""
+"""The inference side: ``Reader.wait()`` receives each new version into the engine's tensors.
+
+Two ways to apply a version (``SyncConfig.apply``):
+
+* transactional: the reader receives into its own copy of the engine's tensors, verifies it
+  (``SyncConfig.verify``), and copies it into the engine's tensors only once every reader has
+  acknowledged and the writers committed. Until then, and for good when the sync fails, the
+  engine's tensors hold the previous version. Costs a second copy of the reader's weights and
+  one device-local copy per sync.
+* in place: bytes land straight in the engine's tensors. A sync that fails after the first
+  byte may have landed leaves them holding a mix of versions: the reader is then
+  :attr:`~Reader.dirty`, and the next sync sends it every byte (a delta writer is told the
+  reader holds nothing; a new Reader's first sync is dense anyway).
+
+``"auto"`` (the default) is transactional when the copy takes at most half of the memory free
+on the reader's device at connect (``torch.cuda.mem_get_info``, or the host's available
+memory), in place otherwise: engines that reserve most of the GPU for their KV cache (vLLM,
+SGLang) run in place.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -11,21 +30,28 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import directory_bytes, encoded_size
+from weightbus.codecs.delta import directory_bytes
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
 from weightbus.plan.program import BucketOp, unpack
+from weightbus.spec import BoundLayout, LayoutError
 from weightbus.transports.base import Handle
+from weightbus.verify import Verifier, agree_level, check_reader, region_views
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Reader"]
+__all__ = ["SHADOW_SHARE", "Reader"]
+
+SHADOW_SHARE = 0.5
+"""``apply="auto"`` is transactional when the copy of the reader's tensors takes at most this
+share of the memory free on its device at connect."""
 
 
 class Reader(_Session):
     """One inference participant (one process, one device), writing into the engine's live
-    tensors in place: the engine keeps its tensor objects.
+    tensors (in place, or through a copy committed at the end: ``SyncConfig.apply``); the
+    engine keeps its tensor objects.
 
     >>> reader = Reader(bound, ControlConfig(address="trainer0:29700", num_writers=2, num_readers=2))
     >>> reader.connect()
@@ -46,12 +72,75 @@ class Reader(_Session):
         engine caches)."""
         self._told = -1  # the sync sequence number whose holds/ this reader posted last
         self._checksum = False
+        self.live: dict[str, torch.Tensor] = self.bound.tensors
+        """The engine's tensors, which it serves from. In place, also ``bound.tensors``;
+        transactional, ``bound.tensors`` is this reader's copy, which syncs write, and these
+        change only when a sync commits."""
+        self.apply = "in_place"
+        """How versions are applied, as decided at connect: "transactional" or "in_place"."""
+        self.dirty = False
+        """In place: a sync failed after bytes may have landed, so the engine's tensors hold a
+        mix of versions (:attr:`version` is the last one committed). Serve nothing from them;
+        the next sync sends every byte."""
+        self._verifier: Verifier | None = None
+        self._live_ptrs_at_connect: dict[str, int] = {}
+        self._commit_keys: list[str] = []
+
+    def connect(self):
+        """Connect (see :meth:`_Session.connect`): with ``apply`` transactional, first copy the
+        engine's tensors, which syncs then write; afterwards agree on ``SyncConfig.verify``
+        with every other participant."""
+        self.apply = self._choose_apply()
+        if self.apply == "transactional" and self.bound.tensors is self.live:
+            with torch.no_grad():
+                shadow = {k: t.detach().clone() for k, t in self.live.items()}
+            self.bound = BoundLayout(layout=self.bound.layout, tensors=shadow)
+        return super().connect()
+
+    def _on_build(self) -> None:
+        """At connect and in every new membership epoch: agree on ``SyncConfig.verify`` with
+        every other participant, and note what a transactional commit copies."""
+        self._told = -1  # sync numbers start again in a new epoch
+        level = self.config.verify
+        agree_level(self.control, level, self.config.connect_timeout)
+        self._verifier = Verifier(level) if level != "off" else None
+        self._commit_keys = sorted({c.key for op in self.ops for c in op.copies})
+        self._live_ptrs_at_connect = {k: self.live[k].data_ptr() for k in self._commit_keys}
+
+    def _choose_apply(self) -> str:
+        want = self.config.apply
+        if want != "auto":
+            return want
+        need = sum(t.numel() * t.element_size() for t in self.live.values())
+        devices = {t.device for t in self.live.values()}
+        free = _free_memory(devices.pop()) if len(devices) == 1 else 0
+        mode = "transactional" if need <= SHADOW_SHARE * free else "in_place"
+        logger.info(
+            "%s: apply=auto chose %s (a copy of its tensors takes %.1f MB, %.1f MB free)",
+            self.name,
+            mode,
+            need / 1e6,
+            free / 1e6,
+        )
+        return mode
+
+    def _check_live_tensors(self) -> None:
+        super()._check_live_tensors()
+        for key, ptr in self._live_ptrs_at_connect.items():
+            if self.live[key].data_ptr() != ptr and self.apply == "transactional":
+                err = LayoutError(
+                    f"{self.name}: engine tensor {key!r} moved to new storage after connect; "
+                    "update tensors in place (copy_) or connect a new Reader after re-binding "
+                    "the model"
+                )
+                self._fail(err)
+                raise err
 
     def _make_codec(self, plan, codecs: CodecConfig) -> ReaderCodec | None:
         # FP8 bytes land in the engine's FP8 tensors like any others: only deltas need decoding
         if codecs.delta is None:
             return None
-        return ReaderCodec(plan, self.bound.layout.rank, self.bound.tensors, codecs)
+        return ReaderCodec(plan, self.plan_index, self.bound.tensors, codecs)
 
     def request_dense(self) -> None:
         """Deltas: this reader's tensors no longer hold the last version it received (the
@@ -84,9 +173,14 @@ class Reader(_Session):
         to every participant and leaves this reader unusable.
         """
         self._require_connected()
-        cfg, control, transport = self.config, self.control, self.transport
+        cfg = self.config
+        # elastic membership: when readers joined, left or died, plan again first
+        replanned = self._begin_sync(cfg.step_timeout if timeout is None else timeout)
+        control, transport = self.control, self.transport
         seq = self._seq
-        phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
+        phases = {"plan": replanned, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
+        phases |= {"verify": 0.0, "commit": 0.0}
+        verifier = self._verifier
         try:
             if self.codec is not None and self._told != seq:
                 # deltas: the writers send dense to a reader that does not hold their last
@@ -106,6 +200,7 @@ class Reader(_Session):
             self._fail(exc)
             raise
         version = -1  # until the writers' announcements are read
+        touched = committing = False  # whether bytes may have landed in the engine's tensors
         try:
             t_start = time.perf_counter()
             deadline = _Deadline(cfg.sync_timeout)
@@ -122,18 +217,24 @@ class Reader(_Session):
             total = self.bytes_per_sync
             staged: deque = deque()  # (handle, op, staging buffer), oldest first
             direct: list = []  # handles of in-place receives
+            direct_ops: list[BucketOp] = []  # their ops (summed once they landed)
             free = deque(self._staging)
             tensors = self.bound.tensors
+            touched = self.apply == "in_place"
+            if verifier is not None:
+                verifier.begin()
             if self.codec is not None:
                 total = self._receive_coded(version, deadline, phases)
             ops = () if transport.pulls or self.codec is not None else self.ops
             if transport.pulls:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.ops]
+                direct_ops = list(self.ops)
             for op, live in zip(ops, self.direct[: len(ops)], strict=True):
                 if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
                     direct.append(transport.recv(op.peer_global, live, op.bucket))
+                    direct_ops.append(op)
                     continue
                 if not free:
                     # only the oldest staged receive frees a buffer; in-place receives on other
@@ -148,12 +249,31 @@ class Reader(_Session):
             t = time.perf_counter()
             transport.wait(direct, deadline.left())
             phases["transfer"] += time.perf_counter() - t
+            if verifier is not None:
+                t = time.perf_counter()
+                for op in direct_ops:
+                    verifier.add(op, region_views(op, tensors))
+                phases["verify"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once
                 # they ran, and only then may this reader acknowledge
                 t = time.perf_counter()
                 torch.cuda.current_stream(self._device).synchronize()
                 phases["transfer" if transport.pulls else "unpack"] += time.perf_counter() - t
+            if verifier is not None:
+                t = time.perf_counter()
+                check_reader(
+                    control,
+                    seq,
+                    version,
+                    verifier,
+                    self.ops,
+                    self.plan,
+                    self.name,
+                    deadline.left(),
+                    self._state_after_failure(),
+                )
+                phases["verify"] += time.perf_counter() - t
             t = time.perf_counter()
             control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
             commit = control.gather(
@@ -169,10 +289,21 @@ class Reader(_Session):
                     f"{committed}, this sync carried {version}"
                 )
             phases["control"] += time.perf_counter() - t
+            if self.apply == "transactional":
+                t = time.perf_counter()
+                committing = True
+                self._commit()
+                committing = False
+                phases["commit"] += time.perf_counter() - t
             if self.codec is not None:
                 self.codec.end(version)
                 self._checksum = False
+            self.dirty = False  # every byte of this version landed (a dirty reader's is dense)
         except BaseException as exc:
+            if touched or committing:
+                self.dirty = True
+            if self.codec is not None:
+                self.codec.version = None  # what the tensors hold is unknown: next sync dense
             err = self._sync_failed(exc, version)
             if err is exc:
                 raise
@@ -191,7 +322,38 @@ class Reader(_Session):
         t = time.perf_counter()
         unpack(op, tensors, buf[: op.nbytes])
         phases["unpack"] += time.perf_counter() - t
+        if self._verifier is not None:
+            t = time.perf_counter()
+            self._verifier.add(op, region_views(op, tensors))
+            phases["verify"] += time.perf_counter() - t
         return buf
+
+    def _commit(self) -> None:
+        """Transactional: copy the verified version into the engine's tensors."""
+        keys = self._commit_keys
+        dst = [self.live[k] for k in keys]
+        src = [self.bound.tensors[k] for k in keys]
+        with torch.no_grad():
+            copy_all = getattr(torch, "_foreach_copy_", None)
+            if copy_all is not None and dst:
+                copy_all(dst, src)
+            else:
+                for d, s in zip(dst, src, strict=True):
+                    d.copy_(s)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def _state_after_failure(self) -> str:
+        """What a failure of this sync leaves in the engine's tensors, for messages."""
+        if self.apply == "transactional":
+            return (
+                f"nothing was committed: the engine's tensors keep version {self.version} "
+                "(SyncConfig.apply='transactional')"
+            )
+        return (
+            "this reader received in place, so its tensors are dirty (Reader.dirty) until a "
+            "sync sends it every byte"
+        )
 
     def _receive_coded(self, version: int, deadline: _Deadline, phases: dict[str, float]) -> int:
         """Receive and decode every bucket of a delta sync; return the bytes received.
@@ -233,7 +395,7 @@ class Reader(_Session):
         self.transport.wait([item.head], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         op, head = item.op, directory_bytes(item.op)
-        used = encoded_size(item.buf[:head])
+        used = self.codec.encoded_size(op, item.buf)  # keeps the directory for unpack
         if not head <= used <= item.buf.numel():
             raise WeightbusError(
                 f"{self.name}: bucket {op.bucket} from writer {self.plan.writers[op.peer].name!r} "
@@ -257,6 +419,10 @@ class Reader(_Session):
         t = time.perf_counter()
         self.codec.unpack(item.op, item.buf)
         phases["unpack"] += time.perf_counter() - t
+        if self._verifier is not None:
+            t = time.perf_counter()
+            self._verifier.add(item.op, region_views(item.op, self.codec.tensors))
+            phases["verify"] += time.perf_counter() - t
         return got
 
 
@@ -270,3 +436,21 @@ class _Incoming:
         self.rest: Handle | None = None
         self.size = 0
         """The bucket's encoded bytes, once its directory arrived (0 until then)."""
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now: the CUDA allocator's view of the GPU, or the host's
+    available memory (0 when unknown, which selects in place)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -16,6 +16,7 @@ from weightbus.errors import WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, WriterCodec, rest_tag
 from weightbus.plan.program import BucketOp, pack
 from weightbus.transports.base import Handle
+from weightbus.verify import Verifier, agree_level, buffer_views, post_writer, region_views
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ class Writer(_Session):
         all-reduce (MAX) over the trainer's ranks holding the weights, through which writers
         agree on those blocks' scales every sync
         (``weightbus.codecs.fp8.all_reduce_max(group)``)."""
+        self._verifier: Verifier | None = None
+
+    def _on_build(self) -> None:
+        """At connect and in every new membership epoch: agree on ``SyncConfig.verify`` with
+        every other participant (a failure here fails the connect or the sync)."""
+        level = self.config.verify
+        agree_level(self.control, level, self.config.connect_timeout)
+        self._verifier = Verifier(level) if level != "off" else None
 
     def _make_codec(self, plan, codecs: CodecConfig) -> WriterCodec:
         return WriterCodec(
@@ -76,18 +85,30 @@ class Writer(_Session):
             raise ValueError(
                 f"{self.name}: version {version} must be greater than the last, {self.version}"
             )
+        # elastic membership: when readers joined, left or died, plan again first
+        replanned = self._begin_sync(self.config.sync_timeout)
         cfg, control, transport = self.config, self.control, self.transport
         seq = self._seq
         deadline = _Deadline(cfg.sync_timeout)
-        phases = {"plan": 0.0, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
+        phases = {"plan": replanned, "pack": 0.0, "transfer": 0.0, "unpack": 0.0, "control": 0.0}
+        phases["verify"] = 0.0
+        verifier = self._verifier
         t_start = time.perf_counter()
         try:
             transport.begin()
             control.post(f"begin/{seq}", {"version": version})
             total = sent = self.bytes_per_sync
             done = 0
+            if verifier is not None:
+                verifier.begin()
             if self.codec is not None:
                 sent = self._send_coded(version, seq, deadline, phases, progress)
+            elif transport.pulls and verifier is not None:
+                # readers copy from these tensors: sum them as the readers will receive them
+                t = time.perf_counter()
+                for op in self.ops:
+                    verifier.add(op, region_views(op, self.bound.tensors))
+                phases["verify"] += time.perf_counter() - t
             free = deque(self._staging)
             staged: deque = deque()  # (handle, staging buffer), oldest first
             direct: list = []  # handles of in-place sends
@@ -99,6 +120,7 @@ class Writer(_Session):
                 if live is not None:
                     # one contiguous region of a live tensor: sent in place, no staging
                     direct.append(transport.send(op.peer_global, live, op.bucket))
+                    sums = region_views(op, tensors) if verifier is not None else None
                 else:
                     if not free:
                         # only the oldest staged send frees a buffer; in-place sends on other
@@ -114,11 +136,22 @@ class Writer(_Session):
                     pack(op, tensors, view)
                     phases["pack"] += time.perf_counter() - t
                     staged.append((transport.send(op.peer_global, view, op.bucket), buf))
+                    sums = buffer_views(op, view) if verifier is not None else None
+                if sums is not None:
+                    # while the bytes travel; the buffer is reused only after its send is done
+                    t = time.perf_counter()
+                    verifier.add(op, sums)
+                    phases["verify"] += time.perf_counter() - t
                 done += op.nbytes
                 if progress is not None:
                     progress(done, total)
             if progress is not None and not ops:
                 progress(total, total)
+            drop: list[str] = []
+            if verifier is not None:
+                t = time.perf_counter()
+                drop = post_writer(control, seq, version, verifier, self.ops)
+                phases["verify"] += time.perf_counter() - t
             t = time.perf_counter()
             transport.wait(direct + [h for h, _ in staged], deadline.left())
             phases["transfer"] += time.perf_counter() - t
@@ -138,6 +171,8 @@ class Writer(_Session):
                 self.codec.acknowledged(version, range(len(self.plan.readers)))
             if self.bound.layout.rank == 0:
                 control.post(f"commit/{seq}", {"version": version})
+            for topic in drop:  # every reader has read what it needed
+                control.drop(topic)
             phases["control"] += time.perf_counter() - t
         except BaseException as exc:
             if self.codec is not None:
@@ -182,10 +217,12 @@ class Writer(_Session):
         free = deque(self._staging)
         staged: deque = deque()  # (handles, staging buffer), oldest first
         direct: list[Handle] = []
+        verifier = self._verifier
         for op, live in zip(self.ops, self.direct, strict=True):
             if live is not None:
                 direct.append(transport.send(op.peer_global, live, op.bucket))
                 sent += op.nbytes
+                sums = region_views(op, codec.tensors) if verifier is not None else None
             else:
                 if not free:
                     t = time.perf_counter()
@@ -199,6 +236,16 @@ class Writer(_Session):
                 phases["pack"] += time.perf_counter() - t
                 staged.append((self._post_coded(op, buf, n), buf))
                 sent += n
+                sums = None
+                if verifier is not None:
+                    # deltas: the shadow holds the dense values the reader must end up with;
+                    # otherwise the packed bytes are the wire values (FP8 included)
+                    dense = buf if codec.encoder is None else codec.encoder.shadow_of(op)
+                    sums = buffer_views(op, dense)
+            if sums is not None:
+                t = time.perf_counter()
+                verifier.add(op, sums)
+                phases["verify"] += time.perf_counter() - t
             done += op.nbytes
             if progress is not None:
                 progress(done, total)

@@ -16,12 +16,16 @@ An observer (:func:`read_status`) is a plain store client: it registers nothing 
 nothing, so looking never disturbs a running job. Anyone who can reach the store's port can
 read it (see :mod:`weightbus.control.store` on the token).
 
-Record of ``status/<name>``, version 1::
+Record of ``status/<name>``, version 2 (:data:`STATUS`; checked when read, and a malformed
+one shows as that participant's error rather than stopping the view)::
 
-    {"v": 1, "role": str, "rank": int, "version": int | None, "syncs": int,
-     "bytes_per_sync": int, "plan": str, "transport": str, "heartbeat_s": float,
+    {"v": 2, "role": str, "rank": int, "version": int | None, "syncs": int, "seq": int,
+     "epoch": int, "bytes_per_sync": int, "plan": str, "transport": str, "heartbeat_s": float,
      "connected_at": float, "last": None | {"version": int, "bytes": int, "seconds": float,
      "phases": {phase: seconds}, "at": float}, "error": None | str}
+
+``syncs`` counts the syncs completed since connect, ``seq`` those of the current membership
+epoch ``epoch`` (sync topics are numbered per epoch; see :mod:`weightbus.control.store`).
 
 ``error`` is the participant's own account of its failure, including failures that came from
 another participant (which only that other one writes to the failure log).
@@ -40,17 +44,27 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import torch.distributed as dist
 
-from weightbus.control.store import _decode, _split_addr
-from weightbus.errors import WeightbusError
+from weightbus.control.store import (
+    FAILURE,
+    MEMBER,
+    ROSTER,
+    DictOf,
+    Schema,
+    _decode,
+    _participant,
+    _record,
+    _split_addr,
+)
+from weightbus.errors import ProtocolError, WeightbusError
 from weightbus.spec import Participant
 
 if TYPE_CHECKING:
     from weightbus._session import SyncResult, _Session
 
 __all__ = [
+    "STATUS",
     "STATUS_FORMAT",
     "JobStatus",
     "ParticipantStatus",
@@ -61,8 +75,34 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATUS_FORMAT = 1
+STATUS_FORMAT = 2
 """Version of the ``status/<name>`` record layout."""
+
+LAST_SYNC: Schema = {
+    "version": int,
+    "bytes": int,
+    "seconds": float,
+    "phases": DictOf(str, float, max_len=32),
+    "at": float,
+}
+"""A participant's last sync in its status record."""
+STATUS: Schema = {
+    "v": int,
+    "role": str,
+    "rank": int,
+    "version": (int, type(None)),
+    "syncs": int,
+    "seq": int,
+    "epoch": int,
+    "bytes_per_sync": int,
+    "plan": str,
+    "transport": str,
+    "heartbeat_s": float,
+    "connected_at": float,
+    "last": (type(None), LAST_SYNC),
+    "error": (str, type(None)),
+}
+"""``status/<name>``: what each participant publishes about itself."""
 
 _PREFIX = "weightbus/"
 _MAX_ERROR_CHARS = 4000
@@ -93,11 +133,13 @@ def publish(
         "role": layout.role,
         "rank": layout.rank,
         "version": session.version,
-        "syncs": session._seq,
+        "syncs": session.syncs,
+        "seq": session._seq,
+        "epoch": session.control.epoch,
         "bytes_per_sync": session.bytes_per_sync,
         "plan": plan.digest[:16] if plan is not None else "",
         "transport": session.transport.name if session.transport is not None else "",
-        "heartbeat_s": session.control.config.heartbeat_interval.total_seconds(),
+        "heartbeat_s": float(session.control.config.heartbeat_interval.total_seconds()),
         "connected_at": connected_at,
         "last": last,
         "error": error[:_MAX_ERROR_CHARS] if error else None,
@@ -170,7 +212,10 @@ class JobStatus:
     in_progress: int | None = None
     """A version the writers announced and have not finished, if any."""
     failures: tuple[tuple[str, str], ...] = ()
-    """``(participant, error)`` as reported, first first."""
+    """``(participant, error)`` as reported in the current epoch, first first."""
+    epoch: int = 0
+    """The current membership epoch (0: the first; each join, leave or failed sync that
+    changed the readers starts another)."""
     read_at: float = field(default_factory=time.time)
     """Observer's wall clock when this was read."""
 
@@ -219,6 +264,7 @@ class JobStatus:
             "num_writers": self.num_writers,
             "num_readers": self.num_readers,
             "host": self.host,
+            "epoch": self.epoch,
             "registered": len(self.participants),
             "missing": list(self.missing),
             "committed": self.committed,
@@ -237,6 +283,7 @@ class JobStatus:
             f"job {self.job!r} at {self.address}: {_count(self.num_writers, 'writer')}, "
             f"{_count(self.num_readers, 'reader')}; {len(self.participants)} of {total} registered"
             + (f" (missing {', '.join(self.missing)})" if self.missing else "")
+            + (f"; membership epoch {self.epoch}" if self.epoch else "")
             + (f"; store hosted by {self.host}" if self.host else "")
         ]
         state = (
@@ -331,28 +378,51 @@ def _job_status(store: dist.Store, address: str, job: str, sample: float | None)
             f"no weightbus job {job!r} on the control store at {address}"
             + (f"; it holds jobs {known}: pass one with --job" if known else "")
         )
-    num_writers, num_readers = (int(x) for x in get("counts").decode().split(","))
-    host = get("host").decode() if has("host") else ""
-    slots = [("writer", r) for r in range(num_writers)] + [
-        ("reader", r) for r in range(num_readers)
-    ]
+    try:
+        num_writers, num_readers = (int(x) for x in get("counts").decode().split(","))
+    except ValueError:
+        raise ProtocolError(f"job {job!r}: its counts key holds {get('counts')[:40]!r}") from None
+    host = get("host").decode(errors="replace") if has("host") else ""
+    epoch = int(get("epoch")) if has("epoch") else 0
     people: list[Participant] = []
     missing: list[str] = []
-    for role, rank in slots:
-        key = f"member/{role}/{rank}"
-        if has(key):
-            people.append(
-                Participant.from_dict(msgpack.unpackb(get(key), raw=False)["participant"])
-            )
-        else:
-            missing.append(f"{role} rank {rank}")
+    if epoch > 0:
+        # the members of the current epoch, as writer rank 0 published them
+        rec = _record(get(f"roster/{epoch}"), ROSTER, f"roster/{epoch}")
+        people = [_participant(d, f"roster/{epoch}") for d in rec["members"]]
+    else:
+        slots = [("writer", r) for r in range(num_writers)]
+        slots += [("reader", r) for r in range(num_readers)]
+        for role, rank in slots:
+            key = f"member/{role}/{rank}"
+            if has(key):
+                people.append(_participant(_record(get(key), MEMBER, key)["participant"], key))
+            else:
+                missing.append(f"{role} rank {rank}")
+    # readers that asked to join and are not in yet
+    if has("requests"):
+        known = {p.name for p in people}
+        for line in get("requests").decode(errors="replace").splitlines():
+            name = line.split(" ", 1)[0]
+            if name in known or not name or not has(f"name/{name}"):
+                continue
+            slot = get(f"name/{name}").decode(errors="replace")
+            if has(f"member/{slot}"):
+                rec = _record(get(f"member/{slot}"), MEMBER, f"member/{slot}")
+                people.append(_participant(rec["participant"], f"member/{slot}"))
+                known.add(name)
+    people.sort(key=lambda p: (p.role != "writer", p.rank))
 
+    suffix = f"@{epoch}" if epoch > 0 else ""
     failures: list[tuple[str, str]] = []
-    if has("faillog"):
-        for name in dict.fromkeys(get("faillog").decode().split()):
+    if has(f"faillog{suffix}"):
+        for name in dict.fromkeys(get(f"faillog{suffix}").decode(errors="replace").split()):
             text = ""
-            if has(f"fail/{name}"):
-                text = msgpack.unpackb(get(f"fail/{name}"), raw=False).get("error", "")
+            if has(f"fail/{name}{suffix}"):
+                try:
+                    text = _record(get(f"fail/{name}{suffix}"), FAILURE, f"fail/{name}")["error"]
+                except ProtocolError as e:
+                    text = str(e)
             failures.append((name, text))
     failed = dict(failures)
 
@@ -362,9 +432,13 @@ def _job_status(store: dist.Store, address: str, job: str, sample: float | None)
         return {k[3:]: int(v) for k, v in zip(keys, values, strict=True)}
 
     records: dict[str, dict] = {}
+    malformed: dict[str, str] = {}
     for p in people:
         if has(f"status/{p.name}"):
-            records[p.name] = msgpack.unpackb(get(f"status/{p.name}"), raw=False)
+            try:
+                records[p.name] = _record(get(f"status/{p.name}"), STATUS, f"status/{p.name}")
+            except ProtocolError as e:
+                malformed[p.name] = str(e)
     if sample is None:
         # one and a half of the slowest heartbeat interval, so a live counter moves
         intervals = [r.get("heartbeat_s", 1.0) for r in records.values()] or [1.0]
@@ -377,9 +451,13 @@ def _job_status(store: dist.Store, address: str, job: str, sample: float | None)
     for p in people:
         rec = records.get(p.name)
         if p.role == "writer" and rec is not None and p.name not in failed.keys() | closed:
-            topic = f"t/{p.name}/begin/{rec['syncs']}"
+            scope = f"@{rec['epoch']}/" if rec["epoch"] > 0 else ""
+            topic = f"t/{p.name}/{scope}begin/{rec['seq']}"
             if has(topic):
-                value = _decode(get(topic))
+                try:
+                    value = _decode(get(topic), 1 << 16)
+                except ProtocolError:
+                    continue
                 if isinstance(value, dict) and "version" in value:
                     in_progress = max(in_progress or value["version"], value["version"])
 
@@ -391,7 +469,7 @@ def _job_status(store: dist.Store, address: str, job: str, sample: float | None)
     committed = None
     for p in people:
         rec = records.get(p.name)
-        error = failed.get(p.name) or (rec.get("error") if rec else None)
+        error = failed.get(p.name) or (rec.get("error") if rec else None) or malformed.get(p.name)
         if error:
             state = "failed"
         elif p.name in closed:
@@ -442,6 +520,7 @@ def _job_status(store: dist.Store, address: str, job: str, sample: float | None)
         committed=committed,
         in_progress=in_progress,
         failures=tuple(failures),
+        epoch=epoch,
     )
 
 

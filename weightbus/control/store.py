@@ -5,20 +5,31 @@ Every participant (writer or reader) opens one :class:`ControlPlane` on a torch.
 keep theirs. One process hosts the store (by default writer rank 0); the others connect as
 clients. All keys sit under ``weightbus/<job>/`` so several jobs can share one store.
 
-Keys, relative to that prefix::
+Keys, relative to that prefix (``@<e>``: the key of membership epoch ``e``, absent in the
+first epoch, 0)::
 
     auth                  sha256 of the shared-secret token (the token itself never travels)
     counts                "<num_writers>,<num_readers>" as the first participant saw them
+    membership            "elastic" or "fixed" (ControlConfig.elastic) as the first one saw it
     host                  name of the participant hosting the store
     member/<role>/<rank>  msgpack: participant + a per-process nonce (claimed with compare_set)
     name/<name>           "<role>/<rank>" (claimed with compare_set)
     hb/<name>             heartbeat counter, incremented every heartbeat_interval
-    faillog               names of failed participants, one per line, first failure first
-    fail/<name>           msgpack: the failure text
+    faillog@<e>           names of failed participants, one per line, first failure first
+    fail/<name>@<e>       msgpack: the failure text
+    aborted@<e>           present once a sync or connect failed in epoch e
     closed/<name>         present once the participant called close()
-    t/<name>/<topic>      one posted value: b"b" + raw bytes, or b"m" + msgpack
+    t/<name>/@<e>/<topic> one posted value: b"b" + raw bytes, or b"m" + msgpack
     status/<name>         msgpack: the participant's last sync, for ``weightbus status``
-    sub/<kind>/<n>/...    prefixes handed to transports (gloo's rendezvous)
+    sub/<kind>@<e>/<n>/.. prefixes handed to transports (gloo's rendezvous)
+    epoch                 the current membership epoch (set once the first one formed)
+    roster/<e>            msgpack: the members of epoch e > 0, from writer rank 0
+    requests              "<name> <last epoch> <nonce>" per line: who asks into the next epoch
+    changes               counter bumped by every request, close and failure
+    ended                 why writer rank 0 could not go on (a writer left)
+
+Membership (elastic, see :meth:`ControlPlane.form_epoch`) changes in epochs: everything a
+sync posts lives under its epoch, so a new epoch starts clean.
 
 Heartbeats are counters, not timestamps: an observer measures how long a counter has not moved
 on its own monotonic clock, so clocks of different hosts never have to agree.
@@ -61,7 +72,7 @@ from weightbus.errors import (
     SyncTimeout,
     WeightbusError,
 )
-from weightbus.spec import Layout, Participant
+from weightbus.spec import Layout, LayoutError, Participant
 
 __all__ = [
     "DEFAULT_STORE_ADDR",
@@ -69,7 +80,10 @@ __all__ = [
     "TOKEN_ENV",
     "ControlConfig",
     "ControlPlane",
+    "DictOf",
+    "ListOf",
     "Roster",
+    "Row",
     "Schema",
     "check_message",
 ]
@@ -87,6 +101,7 @@ DEFAULT_STORE_ADDR = "localhost:29700"
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _MAX_ERROR_CHARS = 8000
+_MAX_DIGEST_BYTES = 256
 _POLL_FIRST_S = 0.0001  # in-sync answers come within a millisecond or two; long waits back off
 _POLL_LAST_S = 0.05
 _POLLS_PER_S_X_S = 800  # store requests per second from all pollers, times seconds waited
@@ -131,7 +146,9 @@ class ControlConfig:
     num_writers: int
     """Number of writer (trainer-side) participants in the job."""
     num_readers: int
-    """Number of reader (inference-side) participants in the job."""
+    """Number of reader (inference-side) participants that start the job: the first connect
+    waits for reader ranks ``0 .. num_readers - 1``. With :attr:`elastic` membership readers
+    may later leave, and others join (up to :attr:`max_readers`)."""
     address: str = field(default_factory=_env_addr)
     """``host:port`` of the store; default ``$WEIGHTBUS_STORE_ADDR``, else ``localhost:29700``."""
     host_store: bool | None = None
@@ -148,12 +165,52 @@ class ControlConfig:
     """Shared secret every participant of the job must present; default ``$WEIGHTBUS_TOKEN``."""
     topic_window: int = 256
     """Each participant keeps its last this-many posted topics in the store; older ones are deleted."""
+    elastic: bool = True
+    """Readers may join, leave and die while the job runs: writer rank 0 checks membership at
+    the start of every sync (one small control message per sync) and, when it changed, every
+    participant plans again for the new members before the sync. False: the members are the
+    ones of the first connect and any failure ends the job. Equal on every participant."""
+    max_readers: int | None = None
+    """Most readers the job may have; reader ranks run ``0 .. max_readers - 1``. The first
+    ``num_readers`` of them start the job, others join it while it runs. None: num_readers."""
+    rejoin_timeout: timedelta = timedelta(seconds=30)
+    """After a failed sync, how long the next one waits for each surviving reader to come
+    back (its next ``wait``) before planning without it; it can join again later."""
+    max_message_bytes: int = 64 << 20
+    """Largest control message this participant posts or accepts (layouts, transport tables,
+    sync messages); a larger one is refused with an error naming its sender."""
 
     def __post_init__(self) -> None:
         for name in ("num_writers", "num_readers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.max_readers is not None and (
+            not isinstance(self.max_readers, int)
+            or isinstance(self.max_readers, bool)
+            or self.max_readers < self.num_readers
+        ):
+            raise ValueError(
+                f"max_readers={self.max_readers!r} must be an int >= num_readers="
+                f"{self.num_readers} (readers that may join later), or None"
+            )
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"elastic={self.elastic!r} must be True or False")
+        if not self.elastic and self.reader_slots != self.num_readers:
+            raise ValueError(
+                f"max_readers={self.max_readers} lets readers join later, but elastic=False "
+                "fixes the members at connect: set elastic=True, or leave max_readers out"
+            )
+        _positive("rejoin_timeout", self.rejoin_timeout)
+        if (
+            not isinstance(self.max_message_bytes, int)
+            or isinstance(self.max_message_bytes, bool)
+            or self.max_message_bytes < 1 << 16
+        ):
+            raise ValueError(
+                f"max_message_bytes={self.max_message_bytes!r} must be an int >= 65536 "
+                "(layouts and transport tables of real models take megabytes)"
+            )
         _split_addr(self.address)
         if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
             raise ValueError(
@@ -175,6 +232,11 @@ class ControlConfig:
                 f"topic_window={self.topic_window!r} must be an int >= 8 (topics still being "
                 "gathered would be deleted)"
             )
+
+    @property
+    def reader_slots(self) -> int:
+        """Reader ranks the job may use: :attr:`max_readers`, else :attr:`num_readers`."""
+        return self.max_readers if self.max_readers is not None else self.num_readers
 
     @property
     def host(self) -> str:
@@ -249,6 +311,20 @@ def _who(p: Participant) -> str:
     return f"{p.role} {p.name!r}"
 
 
+def _rank(p: Participant) -> int:
+    return p.rank
+
+
+def _int(raw: bytes | int, what: str) -> int:
+    """An integer the store holds (a counter or an epoch number)."""
+    if isinstance(raw, int):
+        return raw
+    try:
+        return int(raw)
+    except ValueError:
+        raise ProtocolError(f"store key {what!r} holds {raw[:40]!r}, not an integer") from None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -266,7 +342,55 @@ def _encode(value: bytes | bytearray | memoryview | dict) -> bytes:
 
 
 Schema = dict[str, Any]
-"""A message's fields: name -> a type or a tuple of types (``type(None)`` for optional)."""
+"""A message's fields: name -> its kind. A kind is a type, a tuple of kinds (any of them;
+``type(None)`` for optional), a nested :data:`Schema` (a dict with exactly those fields),
+:class:`ListOf`, :class:`Row` or :class:`DictOf`."""
+
+
+class ListOf:
+    """Kind of a list whose items are all of kind ``item``, at most ``max_len`` of them."""
+
+    __slots__ = ("item", "max_len")
+
+    def __init__(self, item: Any, max_len: int | None = None) -> None:
+        self.item = item
+        """The kind of every item."""
+        self.max_len = max_len
+        """Most items allowed (None: any number)."""
+
+    def __repr__(self) -> str:
+        return f"ListOf({_kind_name(self.item)})"
+
+
+class Row:
+    """Kind of a list of fixed length whose i-th item is of kind ``items[i]``."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, *items: Any) -> None:
+        self.items = items
+        """The kind of each position."""
+
+    def __repr__(self) -> str:
+        return f"Row({', '.join(_kind_name(k) for k in self.items)})"
+
+
+class DictOf:
+    """Kind of a dict with keys of kind ``key`` and values of kind ``value`` (free names)."""
+
+    __slots__ = ("key", "max_len", "value")
+
+    def __init__(self, key: Any, value: Any, max_len: int | None = None) -> None:
+        self.key = key
+        """The kind of every key."""
+        self.value = value
+        """The kind of every value."""
+        self.max_len = max_len
+        """Most entries allowed (None: any number)."""
+
+    def __repr__(self) -> str:
+        return f"DictOf({_kind_name(self.key)}, {_kind_name(self.value)})"
+
 
 BEGIN: Schema = {"version": int}
 """``begin/<seq>``, from each writer: the version this sync carries."""
@@ -277,13 +401,95 @@ COMMIT: Schema = {"version": int}
 HOLDS: Schema = {"holds": (int, type(None)), "checksum": bool}
 """``holds/<seq>``, from each reader with deltas: the version its tensors hold (None: not
 one the writers sent), and whether it asks for checksums."""
+MEMBERS: Schema = {"epoch": int}
+"""``members/<seq>``, from writer rank 0 with elastic membership, at the start of each sync
+but the first of an epoch: the epoch this sync runs in (one more than the current: the
+members changed, everyone plans again first)."""
+PARTICIPANT: Schema = {"role": str, "rank": int, "name": str, "host": str, "device": str}
+"""A participant as the store holds it (:meth:`Participant.to_dict`)."""
+MEMBER: Schema = {"participant": PARTICIPANT, "nonce": str}
+"""``member/<role>/<rank>``: who holds a rank, and the nonce of that process's registration."""
+ROSTER: Schema = {"epoch": int, "members": ListOf(PARTICIPANT), "joined": ListOf(str)}
+"""``roster/<epoch>``, from writer rank 0: every participant of an epoch after the first, and
+those that joined in it."""
+FAILURE: Schema = {"role": str, "rank": int, "error": str}
+"""``fail/<name>``: the failure a participant reported."""
+
+
+def _kind_name(kind: Any) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(_kind_name(k) for k in kind)
+    if isinstance(kind, dict):
+        return f"a message with fields {sorted(kind)}"
+    if isinstance(kind, type):
+        return kind.__name__
+    return repr(kind)
+
+
+def _mismatch(v: Any, kind: Any, path: str) -> str | None:
+    """Why ``v`` is not of ``kind`` (``path`` names it in the message), or None when it is."""
+    if isinstance(kind, tuple):
+        whys = [_mismatch(v, k, path) for k in kind]
+        if any(w is None for w in whys):
+            return None
+        nested = [w for w, k in zip(whys, kind, strict=True) if not isinstance(k, type)]
+        if len(nested) == 1 and isinstance(v, (dict, list)):
+            return nested[0]  # the one structured kind it could be: say what is wrong inside
+        return f"{path}={v!r:.60}: the protocol wants {_kind_name(kind)}"
+    if isinstance(kind, type):
+        if kind in (int, bool):
+            ok = type(v) is kind and (kind is bool or -(2**63) <= v < 2**63)
+        else:
+            ok = isinstance(v, kind)
+        return None if ok else f"{path}={v!r:.60}: the protocol wants {kind.__name__}"
+    if isinstance(kind, dict):
+        if not isinstance(v, dict):
+            return f"{path}={v!r:.60}: the protocol wants {_kind_name(kind)}"
+        if set(v) != set(kind):
+            return f"{path} with fields {sorted(map(str, v))}, the protocol has {sorted(kind)}"
+        for name, k in kind.items():
+            why = _mismatch(v[name], k, f"{path}.{name}")
+            if why is not None:
+                return why
+        return None
+    if isinstance(kind, ListOf):
+        if not isinstance(v, list):
+            return f"{path}={v!r:.60}: the protocol wants a list"
+        if kind.max_len is not None and len(v) > kind.max_len:
+            return f"{path} has {len(v)} items, the protocol allows {kind.max_len}"
+        for i, item in enumerate(v):
+            why = _mismatch(item, kind.item, f"{path}[{i}]")
+            if why is not None:
+                return why
+        return None
+    if isinstance(kind, Row):
+        if not isinstance(v, list) or len(v) != len(kind.items):
+            return f"{path}={v!r:.60}: the protocol wants a list of {len(kind.items)} items"
+        for i, (item, k) in enumerate(zip(v, kind.items, strict=True)):
+            why = _mismatch(item, k, f"{path}[{i}]")
+            if why is not None:
+                return why
+        return None
+    if isinstance(kind, DictOf):
+        if not isinstance(v, dict):
+            return f"{path}={v!r:.60}: the protocol wants a dict"
+        if kind.max_len is not None and len(v) > kind.max_len:
+            return f"{path} has {len(v)} entries, the protocol allows {kind.max_len}"
+        for key, item in v.items():
+            why = _mismatch(key, kind.key, f"{path} key") or _mismatch(
+                item, kind.value, f"{path}[{key!r:.30}]"
+            )
+            if why is not None:
+                return why
+        return None
+    raise TypeError(f"not a schema kind: {kind!r}")
 
 
 def check_message(value: Any, schema: Schema, who: str, topic: str) -> dict:
-    """``value`` if it is a dict with exactly ``schema``'s fields, of its types, else raise
-    :class:`ProtocolError` naming the participant, the topic and what is wrong. Messages come
-    from other processes: nothing is used before it passes. ``bool`` is not taken for ``int``,
-    and integers must fit in 64 bits."""
+    """``value`` if it is a dict with exactly ``schema``'s fields, of their kinds (nested
+    messages and lists included), else raise :class:`ProtocolError` naming the participant,
+    the topic and what is wrong. Messages come from other processes: nothing is used before
+    it passes. ``bool`` is not taken for ``int``, and integers must fit in 64 bits."""
     if not isinstance(value, dict):
         raise ProtocolError(
             f"{who} posted {topic!r} as {type(value).__name__}, not a message with fields "
@@ -294,30 +500,49 @@ def check_message(value: Any, schema: Schema, who: str, topic: str) -> dict:
             f"{who} posted {topic!r} with fields {sorted(map(str, value))}, the protocol has "
             f"{sorted(schema)}: is it running the same weightbus version?"
         )
-    for name, kinds in schema.items():
-        v = value[name]
-        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-        ok = any((type(v) is k) if k in (int, bool) else isinstance(v, k) for k in kinds) and not (
-            type(v) is int and not -(2**63) <= v < 2**63
-        )
-        if not ok:
-            want = " or ".join(k.__name__ for k in kinds)
-            raise ProtocolError(
-                f"{who} posted {topic!r} with {name}={v!r:.60}: the protocol wants {want}"
-            )
+    for name, kind in schema.items():
+        why = _mismatch(value[name], kind, name)
+        if why is not None:
+            raise ProtocolError(f"{who} posted {topic!r} with {why}")
     return value
 
 
-def _decode(data: bytes) -> bytes | dict:
+def _decode(data: bytes, limit: int | None = None) -> bytes | dict:
+    """A store value as posted (raw bytes, or msgpack); :class:`ProtocolError` when it is
+    longer than ``limit`` bytes or not what :func:`_encode` writes."""
+    if limit is not None and len(data) > limit:
+        raise ProtocolError(
+            f"a control message of {len(data)} bytes is over the limit of {limit} bytes "
+            "(ControlConfig.max_message_bytes): refused before decoding"
+        )
     kind, body = data[:1], data[1:]
     if kind == b"b":
         return body
     if kind == b"m":
         try:
             return msgpack.unpackb(body, raw=False, strict_map_key=False)
-        except (ValueError, TypeError, msgpack.exceptions.ExtraData) as e:
+        except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
             raise ProtocolError(f"a control message is not valid msgpack: {e}") from None
-    raise WeightbusError(f"store value of unknown kind {kind!r}: is another program using the key?")
+    raise ProtocolError(
+        f"a control message of unknown kind {kind!r}: is another program using the key?"
+    )
+
+
+def _record(data: bytes, schema: Schema, what: str) -> dict:
+    """A msgpack record the store holds (not a posted topic), checked against ``schema``."""
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
+        raise ProtocolError(f"{what} is not valid msgpack: {e}") from None
+    return check_message(value, schema, "the store", what)
+
+
+def _participant(record: dict, what: str) -> Participant:
+    """A :class:`Participant` from a checked :data:`PARTICIPANT` record."""
+    try:
+        return Participant.from_dict(record)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ProtocolError(f"{what} holds an invalid participant: {e}") from None
 
 
 class _Backoff:
@@ -385,6 +610,15 @@ class ControlPlane:
         self._next_report_check = 0.0
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        # elastic membership: the epoch this participant's roster and topics belong to
+        self._epoch = 0
+        self._joined: tuple[str, ...] = ()
+        self._nonce = ""
+        self._joining = False
+        self._changes_seen = -1
+        self._consumed = 0  # writer rank 0: lines of the requests log an epoch has answered
+        self.left: dict[str, str] = {}
+        """Writer rank 0: the participants its last :meth:`form_epoch` left out, and why."""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "connected" if self._connected else "new"
@@ -421,11 +655,19 @@ class ControlPlane:
                     f"participant name {p.name!r} must be non-empty, without '/' or surrounding "
                     "spaces (it is part of store keys)"
                 )
-            limit = cfg.num_writers if p.role == "writer" else cfg.num_readers
+            limit = cfg.num_writers if p.role == "writer" else cfg.reader_slots
             if p.rank >= limit:
+                field = (
+                    "num_writers"
+                    if p.role == "writer"
+                    else "max_readers"
+                    if cfg.max_readers is not None
+                    else "num_readers"
+                )
                 raise MembershipError(
-                    f"{_who(p)} has rank {p.rank} but the job has num_{p.role}s={limit}: "
+                    f"{_who(p)} has rank {p.rank} but the job has {field}={limit}: "
                     f"ranks run 0..{limit - 1}; fix the rank or the count"
+                    + (" (max_readers lets more readers join later)" if p.role == "reader" else "")
                 )
             self._store = self._open_store()
             try:
@@ -489,6 +731,17 @@ class ControlPlane:
     def _key(self, *parts: object) -> str:
         return self._ns + "/".join(str(p) for p in parts)
 
+    def _tkey(self, name: str, topic: str) -> str:
+        """Key of participant ``name``'s value of ``topic`` in the current epoch."""
+        if self._epoch == 0:
+            return self._key("t", name, topic)
+        return self._key("t", name, f"@{self._epoch}", topic)
+
+    def _ekey(self, *parts: object) -> str:
+        """A key of the current epoch (failures); the first epoch's has no suffix."""
+        key = self._key(*parts)
+        return key if self._epoch == 0 else f"{key}@{self._epoch}"
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run one store operation; a broken store becomes a PeerFailure naming its host."""
         try:
@@ -518,34 +771,65 @@ class ControlPlane:
         counts = f"{cfg.num_writers},{cfg.num_readers}"
         seen = self._call(store.compare_set, self._key("counts"), "", counts).decode()
         if seen != counts:
-            w, r = seen.split(",")
+            w, _, r = seen.partition(",")
             raise MembershipError(
                 f"{_who(p)} was configured with num_writers={cfg.num_writers}, "
                 f"num_readers={cfg.num_readers}, but job {cfg.job!r} at {self._address} has "
                 f"num_writers={w}, num_readers={r} (from the first participant to connect); "
                 "pass the same counts to every participant"
             )
+        mode = "elastic" if cfg.elastic else "fixed"
+        seen = self._call(store.compare_set, self._key("membership"), "", mode).decode()
+        if seen != mode:
+            raise MembershipError(
+                f"{_who(p)} was configured with elastic={cfg.elastic}, but job {cfg.job!r} at "
+                f"{self._address} has {seen} membership (from the first participant to "
+                "connect); pass the same ControlConfig.elastic to every participant"
+            )
         if self.hosting:
             self._call(store.set, self._key("host"), _who(p))
         elif self._call(store.check, [self._key("host")]):
-            self._host_name = self._call(store.get, self._key("host")).decode()
+            self._host_name = self._call(store.get, self._key("host")).decode(errors="replace")
 
+        # Read before claiming the rank: the first epoch forms only once every starting rank
+        # is claimed, so a rank claimed while no epoch exists yet belongs to the first one.
+        running = bool(self._call(store.check, [self._key("epoch")]))
         nonce = f"{p.host}/{os.getpid()}/{uuid.uuid4().hex}"
         claim = msgpack.packb({"participant": p.to_dict(), "nonce": nonce}, use_bin_type=True)
         held = self._call(store.compare_set, self._key("member", p.role, p.rank), b"", claim)
         if held != claim:
-            other = Participant.from_dict(msgpack.unpackb(held, raw=False)["participant"])
+            other = _participant(
+                _record(held, MEMBER, f"member/{p.role}/{p.rank}")["participant"],
+                f"member/{p.role}/{p.rank}",
+            )
             raise MembershipError(
                 f"{p.role} rank {p.rank} is already taken in job {cfg.job!r} by {other.name!r} "
                 f"(host {other.host}, device {other.device}); this process ({p.name!r}, host "
                 f"{p.host}) must use a free rank, or the job name must differ"
             )
         slot = f"{p.role}/{p.rank}"
-        owner = self._call(store.compare_set, self._key("name", p.name), "", slot).decode()
+        owner = self._call(store.compare_set, self._key("name", p.name), "", slot).decode(
+            errors="replace"
+        )
         if owner != slot:
+            self._call(store.delete_key, self._key("member", p.role, p.rank))
             raise MembershipError(
                 f"name {p.name!r} is already taken in job {cfg.job!r} by {owner.replace('/', ' rank ')}; "
                 f"give {p.role} rank {p.rank} a unique name"
+            )
+        self._nonce = nonce
+        starting = p.rank < (cfg.num_writers if p.role == "writer" else cfg.num_readers)
+        self._joining = running or not starting
+        if self._joining and (p.role == "writer" or not cfg.elastic):
+            self._call(store.delete_key, self._key("name", p.name))
+            self._call(store.delete_key, self._key("member", p.role, p.rank))
+            raise MembershipError(
+                f"{_who(p)} cannot join job {cfg.job!r}: it is already running, and "
+                + (
+                    "writers cannot join a running job (restart the job with every writer)"
+                    if p.role == "writer"
+                    else "its membership is fixed (ControlConfig.elastic=False)"
+                )
             )
         self._call(store.add, self._key("hb", p.name), 1)
 
@@ -598,6 +882,11 @@ class ControlPlane:
             return self._roster
         store = self._require()
         cfg = self.config
+        if self._joining:
+            raise WeightbusError(
+                f"{_who(self.participant)} joined job {cfg.job!r} while it runs: it gets its "
+                "roster from request_entry() and await_roster(), not participants()"
+            )
         slots = [("writer", r) for r in range(cfg.num_writers)]
         slots += [("reader", r) for r in range(cfg.num_readers)]
         keys = [self._key("member", role, rank) for role, rank in slots]
@@ -620,14 +909,18 @@ class ControlPlane:
                 )
             backoff.sleep(deadline)
         members = [
-            Participant.from_dict(msgpack.unpackb(v, raw=False)["participant"])
-            for v in self._call(store.multi_get, keys)
+            _participant(
+                _record(v, MEMBER, f"member/{role}/{rank}")["participant"], f"member/{role}/{rank}"
+            )
+            for (role, rank), v in zip(slots, self._call(store.multi_get, keys), strict=True)
         ]
         roster = Roster(
             writers=tuple(members[: cfg.num_writers]), readers=tuple(members[cfg.num_writers :])
         )
         with self._lock:
             self._roster = roster
+        # the job runs from now on: a reader registering later joins it (elastic membership)
+        self._call(store.compare_set, self._key("epoch"), "", "0")
         logger.info(
             "weightbus control: job %r complete: writers %s, readers %s",
             cfg.job,
@@ -640,6 +933,377 @@ class ControlPlane:
     def roster(self) -> Roster | None:
         """The roster once :meth:`participants` has returned, else None."""
         return self._roster
+
+    # -- elastic membership ----------------------------------------------------------------------
+    #
+    # The job's members change in epochs. The first epoch holds every writer and the first
+    # num_readers readers. Writer rank 0 coordinates: at the start of each sync it checks the
+    # ``changes`` counter (bumped by every join request, close and failure) and, when the
+    # members changed, tells the others (``members/<seq>``) and forms the next epoch: every
+    # participant that wants to be in it files a request (``requests`` log); writer rank 0
+    # waits for the requests of the current members (bounded), drops those that closed, died
+    # or did not come back in time, admits the readers that asked to join, and publishes
+    # ``roster/<epoch>`` and then ``epoch``. Everyone in it enters it: topics, failures and
+    # transport rendezvous live under the new epoch, so nothing of an aborted sync leaks in.
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch this participant's roster and topics belong to (0: the first)."""
+        return self._epoch
+
+    @property
+    def joining(self) -> bool:
+        """Whether this participant registered while the job ran (or with a rank beyond
+        num_readers) and has not entered an epoch yet: it enters through
+        :meth:`request_entry` and :meth:`await_roster`."""
+        return self._joining and self._roster is None
+
+    @property
+    def joined(self) -> tuple[str, ...]:
+        """Readers that joined in the current epoch (none in the first)."""
+        return self._joined
+
+    @property
+    def coordinator(self) -> str:
+        """Name of writer rank 0, which decides membership."""
+        roster = self.participants()
+        return roster.writers[0].name
+
+    def request_entry(self, after: int) -> None:
+        """Ask writer rank 0 to put this participant in the next epoch after ``after`` (the
+        last epoch it was in; -1 for none). It is admitted at the start of the next sync."""
+        store = self._require()
+        line = f"{self.participant.name} {int(after)} {self._nonce}\n"
+        self._call(store.append, self._key("requests"), line)
+        self._call(store.add, self._key("changes"), 1)
+
+    def await_roster(self, after: int, timeout: timedelta | None = None) -> Roster:
+        """Wait until writer rank 0 publishes an epoch after ``after`` that holds this
+        participant, and enter it. Epochs without it are passed over (its request stays)."""
+        store = self._require()
+        deadline, seconds = self._deadline(timeout)
+        backoff = _Backoff(self.config.num_writers + self.config.reader_slots)
+        seen = after
+        next_slot_check = time.monotonic()
+        me = self.participant.name
+        while True:
+            self._raise_if_ended()
+            now = time.monotonic()
+            if self._call(store.check, [self._key("epoch")]):
+                epoch = _int(self._call(store.get, self._key("epoch")), "epoch")
+                if epoch > seen and epoch > 0:
+                    roster, joined = self._read_roster(epoch)
+                    if me in roster:
+                        self._enter(epoch, roster, joined)
+                        return roster
+                    # passed over (it asked too late, or came back too late): ask again
+                    self.request_entry(after)
+                    seen = epoch
+            if now >= next_slot_check:
+                next_slot_check = now + _CLOSED_CHECK_S
+                self._raise_if_coordinator_gone(now)
+                if not self._holds_slot():
+                    raise MembershipError(
+                        f"{_who(self.participant)} was dropped from job {self.config.job!r} as "
+                        "dead (its heartbeat stopped for heartbeat_timeout) and its rank given "
+                        f"up; connect a new {self.participant.role} (a new process)"
+                    )
+            if now >= deadline:
+                raise SyncTimeout(
+                    f"{_who(self.participant)} waited {seconds:.1f} s for writer rank 0 to "
+                    f"admit it to job {self.config.job!r} (epoch after {max(seen, after)}); it "
+                    "does so at the start of its next sync: is the trainer syncing?",
+                    [self._coordinator_name()],
+                )
+            backoff.sleep(deadline)
+
+    def membership_changed(self) -> bool:
+        """Writer rank 0, at the start of a sync: whether the next sync needs a new epoch (a
+        reader asked to join or come back, one closed or died, or the epoch failed). One store
+        call when nothing happened."""
+        store = self._require()
+        n = _int(self._call(store.add, self._key("changes"), 0), "changes")
+        if n == self._changes_seen:
+            return False
+        self._changes_seen = n
+        if self.epoch_aborted():
+            return True
+        roster = self.participants()
+        requests, _ = self._read_requests()
+        if requests:
+            return True
+        now = time.monotonic()
+        for p in roster.all:
+            if p.name == self.participant.name:
+                continue
+            if self._call(store.check, [self._key("closed", p.name)]) or self._silent(p.name, now):
+                return True
+        return False
+
+    def form_epoch(self, writers_timeout: timedelta, readers_timeout: timedelta) -> Roster:
+        """Writer rank 0: form the next epoch and enter it.
+
+        Waits for a request from every current member: writers up to ``writers_timeout``
+        (a writer that does not come back ends the job: :class:`MembershipError`), readers up
+        to ``readers_timeout`` (then they are left out and may join again later). Members that
+        closed or whose heartbeat stopped are dropped at once, and their ranks freed. Readers
+        that asked to join are admitted.
+        """
+        store = self._require()
+        if self._call(store.check, [self._key("ended")]):
+            text = self._call(store.get, self._key("ended")).decode(errors="replace")
+            raise MembershipError(f"job {self.config.job!r} ended earlier: {text}")
+        current = self.participants()
+        nxt = self._epoch + 1
+        me = self.participant.name
+        start = time.monotonic()
+        w_end = start + _positive("writers_timeout", writers_timeout)
+        r_end = start + _positive("readers_timeout", readers_timeout)
+        candidates: dict[str, tuple[Participant, str]] = {}
+        for p in current.all:
+            slot = self._slot(p.role, p.rank)
+            if slot is not None and slot[0].name == p.name:
+                candidates[p.name] = slot
+            else:
+                candidates[p.name] = (p, "")  # its rank was freed: it can only be gone
+        ready: dict[str, Participant] = {me: self.participant}
+        gone: dict[str, str] = {}
+        backoff = _Backoff(self.config.num_writers + self.config.reader_slots)
+        while True:
+            now = time.monotonic()
+            requests, read = self._read_requests()
+            for name, (_, nonce) in requests.items():
+                if name in candidates or name in gone:
+                    continue
+                slot = self._slot_of(name)
+                if slot is not None and slot[1] == nonce:
+                    candidates[name] = slot  # a reader asking to join
+            pending: list[Participant] = []
+            for name, (p, nonce) in candidates.items():
+                if name in ready or name in gone:
+                    continue
+                if not nonce or self._call(store.check, [self._key("closed", name)]):
+                    gone[name] = "closed"
+                    continue
+                req = requests.get(name)
+                if req is not None and req[1] == nonce:
+                    ready[name] = p
+                elif self._silent(name, now):
+                    gone[name] = "died (heartbeat stopped)"
+                else:
+                    pending.append(p)
+            lost = [n for n, why in gone.items() if candidates[n][0].role == "writer"]
+            late = [p.name for p in pending if p.role == "writer"]
+            if lost or (late and now >= w_end):
+                text = (
+                    f"writer rank 0 {me!r} cannot form epoch {nxt} of job {self.config.job!r}: "
+                    + "; ".join(
+                        [f"writer {n!r} {gone[n]}" for n in lost]
+                        + [
+                            f"writer {n!r} did not come back within "
+                            f"{writers_timeout.total_seconds():.1f} s"
+                            for n in late
+                        ]
+                    )
+                    + ". Writers cannot leave or be replaced: restart the training job"
+                )
+                self._end_job(text)
+                raise MembershipError(text)
+            if not pending:
+                break
+            if not late and now >= r_end:
+                for p in pending:
+                    gone[p.name] = (
+                        f"did not come back within {readers_timeout.total_seconds():.1f} s "
+                        "(left out; it may join again)"
+                    )
+                break
+            backoff.sleep(w_end if late else r_end)
+        writers = tuple(sorted((p for p in ready.values() if p.role == "writer"), key=_rank))
+        readers = tuple(sorted((p for p in ready.values() if p.role == "reader"), key=_rank))
+        joined = [p.name for p in readers if p.name not in current]
+        for name, why in gone.items():
+            p, nonce = candidates[name]
+            if nonce and not why.startswith("did not"):
+                self._release(p, nonce)  # its rank may be taken again
+        record = {
+            "epoch": nxt,
+            "members": [p.to_dict() for p in writers + readers],
+            "joined": joined,
+        }
+        self._call(store.set, self._key("roster", nxt), msgpack.packb(record, use_bin_type=True))
+        self._call(store.set, self._key("epoch"), str(nxt))
+        self._consumed = read  # a request answered by this epoch does not count again
+        roster = Roster(writers=writers, readers=readers)
+        self._enter(nxt, roster, tuple(joined))
+        logger.info(
+            "weightbus control: job %r epoch %d: readers %s%s%s",
+            self.config.job,
+            nxt,
+            roster.names("reader"),
+            f", joined {joined}" if joined else "",
+            "".join(f", {n} {why}" for n, why in gone.items()),
+        )
+        self.left = dict(gone)
+        return roster
+
+    def exclude(self, names: Iterable[str]) -> Roster:
+        """Leave ``names`` (readers refused while joining) out of this epoch's roster."""
+        drop = set(names)
+        roster = self.participants()
+        if any(roster[n].role == "writer" for n in drop if n in roster):
+            raise ValueError(f"writers cannot be left out of an epoch: {sorted(drop)}")
+        kept = Roster(
+            writers=roster.writers, readers=tuple(p for p in roster.readers if p.name not in drop)
+        )
+        with self._lock:
+            self._roster = kept
+            self._joined = tuple(n for n in self._joined if n not in drop)
+        return kept
+
+    def epoch_aborted(self) -> bool:
+        """Whether a participant's sync or connect failed in the current epoch."""
+        store = self._require()
+        return bool(self._call(store.check, [self._ekey("aborted")]))
+
+    def abort_epoch(self) -> None:
+        """Mark the current epoch failed, so the next sync forms a new one. Never raises."""
+        store = self._store
+        if store is None or not self._connected:
+            return
+        try:
+            store.set(self._ekey("aborted"), b"1")
+            store.add(self._key("changes"), 1)
+        except Exception as e:
+            logger.debug("weightbus control: could not mark epoch %d failed: %s", self._epoch, e)
+
+    def _enter(self, epoch: int, roster: Roster, joined: tuple[str, ...]) -> None:
+        with self._lock:
+            self._epoch = epoch
+            self._roster = roster
+            self._joined = tuple(joined)
+            self._substores = {}
+            self._layout_calls = 0
+            self._failed = None
+            self._peers_closed = set()
+            self._next_report_check = 0.0
+
+    def _read_roster(self, epoch: int) -> tuple[Roster, tuple[str, ...]]:
+        store = self._require()
+        what = f"roster/{epoch}"
+        rec = _record(self._call(store.get, self._key("roster", epoch)), ROSTER, what)
+        people = [_participant(d, what) for d in rec["members"]]
+        roster = Roster.of(people)
+        if not roster.writers or len(set(roster.names())) != roster.size:
+            raise ProtocolError(f"{what} is malformed: {roster.names()}")
+        return roster, tuple(rec["joined"])
+
+    def _read_requests(self) -> tuple[dict[str, tuple[int, str]], int]:
+        """The requests no epoch answered yet: name -> (last epoch it was in, nonce), the
+        latest of each; and how many lines of the log were read."""
+        store = self._require()
+        key = self._key("requests")
+        if not self._call(store.check, [key]):
+            return {}, 0
+        lines = self._call(store.get, key).decode(errors="replace").splitlines()
+        out: dict[str, tuple[int, str]] = {}
+        for line in lines[self._consumed :]:
+            parts = line.split()
+            if len(parts) != 3 or not parts[1].lstrip("-").isdigit():
+                logger.warning("weightbus control: malformed join request %r ignored", line[:80])
+                continue
+            out[parts[0]] = (int(parts[1]), parts[2])
+        return out, len(lines)
+
+    def _slot(self, role: str, rank: int) -> tuple[Participant, str] | None:
+        """Who holds rank ``rank`` of ``role`` and its nonce, or None when it is free."""
+        store = self._require()
+        key = self._key("member", role, rank)
+        if not self._call(store.check, [key]):
+            return None
+        rec = _record(self._call(store.get, key), MEMBER, f"member/{role}/{rank}")
+        return _participant(rec["participant"], f"member/{role}/{rank}"), rec["nonce"]
+
+    def _slot_of(self, name: str) -> tuple[Participant, str] | None:
+        store = self._require()
+        key = self._key("name", name)
+        if not self._call(store.check, [key]):
+            return None
+        role, _, rank = self._call(store.get, key).decode(errors="replace").partition("/")
+        if role not in ("writer", "reader") or not rank.isdigit():
+            return None
+        slot = self._slot(role, int(rank))
+        return slot if slot is not None and slot[0].name == name else None
+
+    def _holds_slot(self) -> bool:
+        slot = self._slot(self.participant.role, self.participant.rank)
+        return slot is not None and slot[1] == self._nonce
+
+    def _release(self, p: Participant, nonce: str) -> None:
+        """Free the rank and name of a participant that left (only if still its own)."""
+        store = self._require()
+        slot = self._slot(p.role, p.rank)
+        if slot is None or slot[1] != nonce:
+            return
+        for key in (
+            self._key("member", p.role, p.rank),
+            self._key("name", p.name),
+            self._key("closed", p.name),
+        ):
+            self._call(store.delete_key, key)
+
+    def _silent(self, name: str, now: float) -> bool:
+        """Whether ``name``'s heartbeat has not moved for heartbeat_timeout, as seen here."""
+        store = self._require()
+        key = self._key("hb", name)
+        if not self._call(store.check, [key]):
+            return False
+        count = _int(self._call(store.get, key), f"hb/{name}")
+        with self._lock:
+            seen = self._beats.get(name)
+            if seen is None or seen[0] != count:
+                self._beats[name] = (count, now)
+                return False
+            return now - seen[1] > self.config.heartbeat_timeout.total_seconds()
+
+    def _end_job(self, text: str) -> None:
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(self._key("ended"), text[:_MAX_ERROR_CHARS].encode())
+            store.add(self._key("changes"), 1)
+        except Exception as e:
+            logger.debug("weightbus control: could not record the end of the job: %s", e)
+
+    def _raise_if_ended(self) -> None:
+        store = self._require()
+        if self._call(store.check, [self._key("ended")]):
+            text = self._call(store.get, self._key("ended")).decode(errors="replace")
+            name = self._coordinator_name()
+            raise PeerFailure(f"writer {name!r} ended the job: {text}", [(name, text)])
+
+    def _raise_if_coordinator_gone(self, now: float) -> None:
+        """While waiting for writer rank 0 to form an epoch: :class:`PeerFailure` if it left
+        or its heartbeat stopped (no one else can admit this participant)."""
+        if self.participant.role == "writer" and self.participant.rank == 0:
+            return
+        name = self._coordinator_name()
+        store = self._require()
+        if self._call(store.check, [self._key("closed", name)]):
+            text = f"writer {name!r} (writer rank 0) closed: the job ended"
+            raise PeerFailure(text, [(name, text)])
+        if self._silent(name, now):
+            text = (
+                f"writer {name!r} (writer rank 0, which admits participants) stopped sending "
+                f"heartbeats for heartbeat_timeout {self.config.heartbeat_timeout}: its process "
+                "died, hung or lost the network"
+            )
+            raise PeerFailure(text, [(name, text)])
+
+    def _coordinator_name(self) -> str:
+        slot = self._slot("writer", 0)
+        return slot[0].name if slot is not None else "writer-0"
 
     # -- topics ----------------------------------------------------------------------------------
 
@@ -654,30 +1318,38 @@ class ControlPlane:
         if not isinstance(topic, str) or not topic:
             raise ValueError(f"topic must be a non-empty str, got {topic!r}")
         data = _encode(value)
+        if len(data) > self.config.max_message_bytes:
+            raise ValueError(
+                f"{_who(self.participant)}: topic {topic!r} is {len(data)} bytes, over "
+                f"ControlConfig.max_message_bytes={self.config.max_message_bytes}; the others "
+                "would refuse it: raise max_message_bytes on every participant"
+            )
+        key = self._tkey(self.participant.name, topic)
         with self._lock:
-            if topic in self._posted_set:
+            if key in self._posted_set:
                 raise ValueError(
                     f"{_who(self.participant)} already posted topic {topic!r}; topics are "
                     "write-once: put the version in the name (e.g. f'ack/{version}')"
                 )
-            self._posted.append(topic)
-            self._posted_set.add(topic)
+            self._posted.append(key)
+            self._posted_set.add(key)
             old = []
             while len(self._posted) > self.config.topic_window:
                 old.append(self._posted.popleft())
                 self._posted_set.discard(old[-1])
-        self._call(store.set, self._key("t", self.participant.name, topic), data)
+        self._call(store.set, key, data)
         for stale in old:
-            self._call(store.delete_key, self._key("t", self.participant.name, stale))
+            self._call(store.delete_key, stale)
 
     def drop(self, topic: str) -> None:
         """Delete this participant's value of ``topic`` now (once everyone has gathered it)."""
         store = self._require()
+        key = self._tkey(self.participant.name, topic)
         with self._lock:
-            if topic in self._posted_set:
-                self._posted_set.discard(topic)
-                self._posted.remove(topic)
-        self._call(store.delete_key, self._key("t", self.participant.name, topic))
+            if key in self._posted_set:
+                self._posted_set.discard(key)
+                self._posted.remove(key)
+        self._call(store.delete_key, key)
 
     def _targets(self, role: str | None, names: Sequence[str] | None) -> list[str]:
         roster = self.participants()
@@ -719,7 +1391,7 @@ class ControlPlane:
         """
         store = self._require()
         targets = self._targets(role, names)
-        keys = [self._key("t", n, topic) for n in targets]
+        keys = [self._tkey(n, topic) for n in targets]
         deadline, seconds = self._deadline(timeout)
         backoff = _Backoff(self.config.num_writers + self.config.num_readers)
         next_closed_check = time.monotonic() + _CLOSED_CHECK_S
@@ -750,7 +1422,7 @@ class ControlPlane:
         out = {}
         for n, v in zip(targets, values, strict=True):
             try:
-                out[n] = _decode(v)
+                out[n] = _decode(v, self.config.max_message_bytes)
             except ProtocolError as e:
                 raise ProtocolError(f"{_who(self._roster[n])}, topic {topic!r}: {e}") from None
             if schema is not None:
@@ -765,9 +1437,18 @@ class ControlPlane:
         self.gather(topic, role=role, timeout=timeout)
 
     def exchange_layouts(
-        self, my_layout: Layout, timeout: timedelta | None = None
+        self,
+        my_layout: Layout,
+        timeout: timedelta | None = None,
+        *,
+        refused: dict[str, Exception] | None = None,
     ) -> tuple[list[Layout], list[Layout]]:
-        """Post this participant's layout, gather everyone's: (writers by rank, readers by rank)."""
+        """Post this participant's layout, gather everyone's: (writers by rank, readers by rank).
+
+        With ``refused`` (a dict to fill), the layout of a reader that joined in this epoch
+        (:attr:`joined`) that cannot be read is left out and its error recorded there, rather
+        than raised: one bad newcomer must not stop a running job.
+        """
         if not isinstance(my_layout, Layout):
             raise TypeError(f"exchange_layouts takes a Layout, got {type(my_layout).__name__}")
         if my_layout.participant.to_dict() != self.participant.to_dict():
@@ -781,14 +1462,25 @@ class ControlPlane:
         self.post(topic, my_layout.to_msgpack())
         got = self.gather(topic, timeout=timeout)
         layouts = []
+        roster = self.participants()
         for name, data in got.items():
-            assert isinstance(data, bytes), (name, type(data))
-            layout = Layout.from_msgpack(data)
-            if layout.name != name:
-                raise WeightbusError(
-                    f"participant {name!r} posted the layout of {layout.name!r}: its layout "
-                    "must be built with its own Participant"
-                )
+            try:
+                if not isinstance(data, bytes):
+                    raise ProtocolError(
+                        f"{_who(roster[name])} posted {topic!r} as {type(data).__name__}, not "
+                        "a layout: is it running the same weightbus version?"
+                    )
+                layout = Layout.from_msgpack(data)
+                if layout.participant.to_dict() != roster[name].to_dict():
+                    raise WeightbusError(
+                        f"participant {name!r} posted the layout of {layout.participant}: its "
+                        "layout must be built with its own Participant"
+                    )
+            except (LayoutError, WeightbusError) as e:
+                if refused is None or name not in self._joined:
+                    raise
+                refused[name] = e
+                continue
             layouts.append(layout)
         writers = [lay for lay in layouts if lay.role == "writer"]
         readers = [lay for lay in layouts if lay.role == "reader"]
@@ -803,8 +1495,19 @@ class ControlPlane:
         got = self.gather(key, timeout=timeout)
         groups: dict[str, list[str]] = {}
         for name, value in got.items():
-            assert isinstance(value, bytes)
-            groups.setdefault(value.decode(), []).append(name)
+            if not isinstance(value, bytes) or not 0 < len(value) <= _MAX_DIGEST_BYTES:
+                raise ProtocolError(
+                    f"{_who(self._roster[name])} posted {key!r} as {value!r:.60}, not a digest "
+                    f"(1 to {_MAX_DIGEST_BYTES} bytes): is it running the same weightbus version?"
+                )
+            try:
+                text = value.decode("ascii")
+            except UnicodeDecodeError:
+                raise ProtocolError(
+                    f"{_who(self._roster[name])} posted {key!r} as {value!r:.60}, not an ASCII "
+                    "digest: is it running the same weightbus version?"
+                ) from None
+            groups.setdefault(text, []).append(name)
         if len(groups) > 1:
             ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
             parts = [f"{d[:16]} held by {', '.join(names)}" for d, names in ranked]
@@ -824,7 +1527,8 @@ class ControlPlane:
         """
         self._require()
         n = self.sequence(f"substore/{kind}")
-        return dist.PrefixStore(self._key("sub", kind, n), self._new_client())
+        scope = kind if self._epoch == 0 else f"{kind}@{self._epoch}"
+        return dist.PrefixStore(self._key("sub", scope, n), self._new_client())
 
     def sequence(self, kind: str) -> int:
         """0, 1, 2, ... on successive calls with the same ``kind``: a local counter that gives
@@ -855,8 +1559,10 @@ class ControlPlane:
             "error": self._failed[:_MAX_ERROR_CHARS],
         }
         try:
-            store.set(self._key("fail", self.participant.name), msgpack.packb(record))
-            store.append(self._key("faillog"), self.participant.name + "\n")
+            store.set(self._ekey("fail", self.participant.name), msgpack.packb(record))
+            store.append(self._ekey("faillog"), self.participant.name + "\n")
+            store.set(self._ekey("aborted"), b"1")
+            store.add(self._key("changes"), 1)
         except Exception as e:
             logger.warning("weightbus control: could not report the failure: %s", _first_line(e))
 
@@ -883,17 +1589,22 @@ class ControlPlane:
 
     def _raise_if_reported(self) -> None:
         store = self._require()
-        log_key = self._key("faillog")
+        log_key = self._ekey("faillog")
         if not self._call(store.check, [log_key]):
             return
-        names = list(dict.fromkeys(self._call(store.get, log_key).decode().split()))
+        log = self._call(store.get, log_key).decode(errors="replace")
+        names = list(dict.fromkeys(log.split()))
         names = [n for n in names if n != self.participant.name]
         if not names:
             return
-        records = [
-            msgpack.unpackb(v, raw=False)
-            for v in self._call(store.multi_get, [self._key("fail", n) for n in names])
-        ]
+        records = []
+        for n, v in zip(
+            names, self._call(store.multi_get, [self._ekey("fail", n) for n in names]), strict=True
+        ):
+            try:
+                records.append(_record(v, FAILURE, f"the failure record of {n!r}"))
+            except ProtocolError as e:
+                records.append({"role": "participant", "rank": -1, "error": str(e)})
         failures = [(n, r["error"]) for n, r in zip(names, records, strict=True)]
         whos = [f"{r['role']} {n!r}" for n, r in zip(names, records, strict=True)]
         message = f"{whos[0]} failed: {failures[0][1]}"
@@ -991,7 +1702,11 @@ class ControlPlane:
         store = self._store
         if store is not None and self._connected:
             try:
-                store.set(self._key("closed", self.participant.name), b"1")
+                # a participant dropped as dead whose rank another process took since must
+                # not mark that one closed
+                if not self.config.elastic or self._holds_slot():
+                    store.set(self._key("closed", self.participant.name), b"1")
+                    store.add(self._key("changes"), 1)
                 if self.hosting:
                     self._wait_for_others(store, timeout)
             except Exception as e:
@@ -1008,26 +1723,26 @@ class ControlPlane:
     def _wait_for_others(self, store: dist.TCPStore, timeout: timedelta | None) -> None:
         cfg = self.config
         slots = [("writer", r) for r in range(cfg.num_writers)]
-        slots += [("reader", r) for r in range(cfg.num_readers)]
-        members = [self._key("member", role, rank) for role, rank in slots]
+        slots += [("reader", r) for r in range(cfg.reader_slots)]
         names = []
-        for key, present in zip(members, [store.check([k]) for k in members], strict=True):
-            if present:
-                names.append(
-                    Participant.from_dict(
-                        msgpack.unpackb(store.get(key), raw=False)["participant"]
-                    ).name
-                )
+        for role, rank in slots:
+            try:
+                slot = self._slot(role, rank)
+            except ProtocolError as e:
+                logger.warning("weightbus control: %s", e)
+                continue
+            if slot is not None:
+                names.append(slot[0].name)
         names = [n for n in names if n != self.participant.name]
         deadline, seconds = self._deadline(timeout)
         limit = cfg.heartbeat_timeout.total_seconds()
-        backoff = _Backoff(self.config.num_writers + self.config.num_readers)
+        backoff = _Backoff(self.config.num_writers + self.config.reader_slots)
         last: dict[str, tuple[int, float]] = {}
         while names:
             now = time.monotonic()
             failed = set()
-            if store.check([self._key("faillog")]):
-                failed = set(store.get(self._key("faillog")).decode().split())
+            if store.check([self._ekey("faillog")]):
+                failed = set(store.get(self._ekey("faillog")).decode(errors="replace").split())
             remaining = []
             for n in names:
                 if n in failed or store.check([self._key("closed", n)]):

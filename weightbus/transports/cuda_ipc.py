@@ -45,7 +45,8 @@ from typing import Any
 import msgpack
 import torch
 
-from weightbus.errors import PlanMismatch, WeightbusError
+from weightbus.control.store import ListOf, Row, Schema
+from weightbus.errors import PlanMismatch, ProtocolError, WeightbusError
 from weightbus.spec import torch_dtype
 from weightbus.transports._cuda import Cudart, copy_job, cuda_device
 from weightbus.transports.base import Handle, Program, Transport, register_transport
@@ -142,6 +143,66 @@ def _bucket_rows(ops) -> tuple[list[str], list[list]]:
     return list(keys), buckets
 
 
+# What a participant posts at expose (``_share_table``), checked before anything is mapped:
+# storages as ``_share`` describes them, tensors as [storage, offset, shape, stride, dtype],
+# buckets as [peer, tag, bytes, copies] with copies as [tensor, box, offset, bytes].
+_COPY = Row(int, ListOf(Row(int, int)), int, int)
+TABLE: Schema = {
+    "device": int,
+    "event": bytes,
+    "order": int,
+    "events": ListOf(bytes),
+    "storages": ListOf(Row(int, bytes, int, int, bytes, int, bytes, bool)),
+    "tensors": ListOf(Row(int, int, ListOf(int), ListOf(int), str)),
+    "buckets": ListOf(Row(int, int, int, ListOf(_COPY))),
+}
+"""``cuda_ipc/<n>`` from each writer: what it shares and where each bucket's routes lie."""
+RELAY_TABLE: Schema = {**TABLE, "covers": ListOf(int)}
+"""``cuda_ipc/<n>/relay`` from each reader: what it relays on, and per bucket its event."""
+SIGNAL: Schema = {}
+"""``cuda_ipc/<n>/opened`` and ``.../relayed/<sync>/<chunk>``: a bare signal."""
+
+
+def _check_table(table: dict, who: str, topic: str, participants: int) -> dict:
+    """A table that passed :data:`TABLE`, whose cross references also hold: everything a
+    reader indexes or maps with it exists. :class:`ProtocolError` otherwise."""
+
+    def bad(what: str) -> ProtocolError:
+        return ProtocolError(
+            f"{who} posted {topic!r} with {what}: is it running the same weightbus version?"
+        )
+
+    storages, tensors, events = table["storages"], table["tensors"], table["events"]
+    if table["device"] < 0:
+        raise bad(f"device {table['device']}")
+    for i, (storage, offset, shape, stride, dtype) in enumerate(tensors):
+        if not 0 <= storage < len(storages):
+            raise bad(f"tensors[{i}] in storage {storage} of {len(storages)}")
+        if offset < 0 or len(shape) != len(stride) or any(n < 0 for n in shape):
+            raise bad(f"tensors[{i}] at offset {offset}, shape {shape}, stride {stride}")
+        try:
+            torch_dtype(dtype)
+        except Exception:
+            raise bad(f"tensors[{i}] of unknown dtype {dtype!r:.40}") from None
+    for b, (peer, _tag, _nbytes, copies) in enumerate(table["buckets"]):
+        if not 0 <= peer < participants:
+            raise bad(f"buckets[{b}] for participant {peer} of {participants}")
+        for c, (tid, box, _offset, _n) in enumerate(copies):
+            if not 0 <= tid < len(tensors):
+                raise bad(f"buckets[{b}] copy {c} of tensor {tid} of {len(tensors)}")
+            shape = tensors[tid][2]
+            if len(box) != len(shape) or any(
+                not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True)
+            ):
+                raise bad(f"buckets[{b}] copy {c} with box {box} of a {shape} tensor")
+    covers = table.get("covers")
+    if covers is not None and (
+        len(covers) != len(table["buckets"]) or any(not 0 <= e < len(events) for e in covers)
+    ):
+        raise bad(f"covers {covers[:8]} for {len(table['buckets'])} buckets, {len(events)} events")
+    return table
+
+
 def _relays(tables: dict[str, dict], roster) -> dict[tuple[int, int], tuple[int, int, int]]:
     """Chains of identical buckets: (reader, writer, tag) keyed by (reader, tag) -> the
     upstream (reader, tag) it pulls from. Identical = same writer, same regions, same order."""
@@ -222,7 +283,7 @@ class CudaIpcTransport(Transport):
             self._event.record(torch.cuda.current_stream(self._device))
             control.post(self._topic, self._share_table(program, program.ops, event=self._event))
             # every reader has mapped what it pulls before the first sync
-            control.gather(self._topic + "/opened", role="reader")
+            control.gather(self._topic + "/opened", role="reader", schema=SIGNAL)
         else:
             self._expose_reader(program)
 
@@ -270,7 +331,9 @@ class CudaIpcTransport(Transport):
         assert control is not None and roster is not None and me is not None
         assert self._device is not None
         self._cudart = Cudart.load()
-        writers = control.gather(self._topic, role="writer")
+        writers = control.gather(self._topic, role="writer", schema=TABLE)
+        for name, t in writers.items():
+            _check_table(t, f"writer {name!r}", self._topic, roster.size)
         mine = roster.global_rank(me.name)
         ops = {(op.peer_global, op.bucket): op for op in program.ops}
         upstream = _relays(writers, roster)
@@ -306,7 +369,11 @@ class CudaIpcTransport(Transport):
             {roster.all[u[0]].name for (peer, _), u in upstream.items() if peer == mine},
             key=roster.global_rank,
         )
-        relays = control.gather(self._topic + "/relay", names=ups) if ups else {}
+        relays = (
+            control.gather(self._topic + "/relay", names=ups, schema=RELAY_TABLE) if ups else {}
+        )
+        for name, t in relays.items():
+            _check_table(t, f"reader {name!r}", self._topic + "/relay", roster.size)
         posted = {(op.peer_global, op.bucket): i for i, op in enumerate(program.ops)}
         upstream_at: dict[tuple[int, int], int] = {}
         for op in program.ops:
@@ -381,7 +448,12 @@ class CudaIpcTransport(Transport):
                     ut = relays[uname]
                     src, storages, bases = source(uname, ut)
                     at = [i for i, bk in enumerate(ut["buckets"]) if bk[1] == up[1]]
-                    assert len(at) == 1, (uname, up)
+                    if len(at) != 1:
+                        raise PlanMismatch(
+                            f"cuda_ipc: reader {uname!r} relays bucket {up[1]} {len(at)} times "
+                            f"in its table, {me.name!r} expects it once: the two planned "
+                            "differently"
+                        )
                     b = self._bucket(src, op, program, ut, ut["buckets"][at[0]][3], storages, bases)
                     e = ut["covers"][at[0]]
                     if (uname, e) not in opened_events:
@@ -544,6 +616,7 @@ class CudaIpcTransport(Transport):
                 f"{self._topic}/relayed/{self._sync}/{b.ready_index}",
                 names=[src.name],
                 timeout=self.timeout,
+                schema=SIGNAL,
             )
             # an interprocess event is waited on a stream of its own GPU (a wait from a stream
             # of another GPU crashed the process on H200s), then handed on

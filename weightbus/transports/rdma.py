@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from weightbus.errors import WeightbusError
+from weightbus.errors import ProtocolError, WeightbusError
 from weightbus.transports.base import Handle, Program, Transport, register_transport
 
 __all__ = ["RdmaConfig", "RdmaTransport", "UCX_TLS_ENV", "DEVICES_ENV", "nixl_available"]
@@ -215,13 +215,12 @@ class RdmaTransport(Transport):
         )
         got = control.gather(f"{self._prefix}/agent", role=other, timeout=self.timeout)
         for name, blob in got.items():
-            assert isinstance(blob, bytes)
-            agent_name, _, meta = blob.partition(b"\0")
+            agent_name, meta = _agent_blob(blob, name, f"{self._prefix}/agent")
             loaded = agent.add_remote_agent(meta)
             loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
-            if loaded != agent_name.decode():
+            if loaded != agent_name:
                 raise WeightbusError(
-                    f"rdma: {name!r} published agent {agent_name.decode()!r} but its metadata "
+                    f"rdma: {name!r} published agent {agent_name!r} but its metadata "
                     f"names {loaded!r}"
                 )
             self._peers[name], self._who[loaded] = loaded, name
@@ -533,3 +532,20 @@ class RdmaTransport(Transport):
 
     def _abort(self, reason: str) -> None:
         self._shutdown()
+
+
+def _agent_blob(blob: object, name: str, topic: str) -> tuple[str, bytes]:
+    """``<agent name> NUL <NIXL metadata>`` as a peer posts it at connect, checked:
+    (agent name, metadata), or :class:`ProtocolError` naming the peer."""
+    if isinstance(blob, bytes) and b"\0" in blob:
+        raw, _, meta = blob.partition(b"\0")
+        try:
+            agent_name = raw.decode("ascii")
+        except UnicodeDecodeError:
+            agent_name = ""
+        if 0 < len(agent_name) <= 256 and agent_name.isprintable() and meta:
+            return agent_name, meta
+    raise ProtocolError(
+        f"participant {name!r} posted {topic!r} as {blob!r:.60}, not '<agent name> NUL "
+        "<metadata>': is it running the same weightbus version?"
+    )
