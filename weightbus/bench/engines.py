@@ -28,7 +28,6 @@ import struct
 import tempfile
 import time
 import traceback
-import zlib
 from pathlib import Path
 
 TRAINER_GPUS = (0, 1)
@@ -80,16 +79,10 @@ def _write_sparse_checkpoint(path: Path, preset: str) -> int:
 
 
 def _canonical(layout, device) -> dict:
-    """The trainer's weights, per tensor, from a seed of its name (the same on every process)."""
-    import torch
+    """The trainer's weights: per tensor, the bench's seeded values (``gpu._canonical``)."""
+    from weightbus.bench.gpu import _canonical as canonical
 
-    out = {}
-    for t in layout.tensors:
-        g = torch.Generator(device=device).manual_seed(zlib.crc32(t.name.encode()))
-        out[t.name] = torch.randn(t.shape, generator=g, device=device, dtype=torch.float32).to(
-            torch.bfloat16
-        )
-    return out
+    return canonical(layout, device)
 
 
 def _group(port: int, prefix: str, rank: int, world: int, gpu: int) -> None:
@@ -118,6 +111,8 @@ def _configs(a, rank_role: str):
         bucket_bytes=a.bucket_mb << 20,
         transport=a.transport,
         sync_timeout=dt.timedelta(seconds=120),
+        verify=getattr(a, "verify", "off"),
+        apply=getattr(a, "apply", "in_place"),
         connect_timeout=dt.timedelta(seconds=300),
         step_timeout=dt.timedelta(seconds=300),
     )
@@ -289,6 +284,8 @@ def run(
         port=port,
         checkpoint=str(checkpoint),
         tag=f"s4e-{time.time_ns()}",
+        verify=getattr(args, "verify", "off"),
+        apply=getattr(args, "apply", "in_place"),
     )
     try:
         res = _run_group(

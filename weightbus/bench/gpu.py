@@ -224,6 +224,8 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             staging_buffers=args.staging,
             transport=transport,
             sync_timeout=dt.timedelta(seconds=120),
+            verify=getattr(args, "verify", "off"),
+            apply=getattr(args, "apply", "in_place"),
             step_timeout=dt.timedelta(seconds=300),
             **codecs,
         )
@@ -501,6 +503,22 @@ def _plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def add_sync_flags(p: argparse.ArgumentParser) -> None:
+    """The bench's ``--verify`` and ``--apply`` (SyncConfig fields every scenario uses)."""
+    p.add_argument(
+        "--verify",
+        default="off",
+        choices=["off", "checksum", "full"],
+        help="SyncConfig.verify for every sync (default off: the figures are the data path's)",
+    )
+    p.add_argument(
+        "--apply",
+        default="in_place",
+        choices=["in_place", "transactional", "auto"],
+        help="SyncConfig.apply on the readers (default in_place)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus bench gpu", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -536,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         default=128,
         help="S6: FP8 block side (default 128; small models need 32: fused parts start there)",
     )
+    add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument(
         "--kind", default=None, help="machine kind for the file name (default: from the GPUs)"
@@ -719,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
         "staging_buffers": a.staging,
         "direct_mb": a.direct_mb,
         "iters": a.iters,
+        "verify": a.verify,
+        "apply": a.apply,
         "ceilings": ceilings,
         "ceiling_notes": CEILING_NOTES,
         "scenarios": scenarios,

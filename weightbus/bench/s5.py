@@ -127,6 +127,8 @@ def _configs(args):
         bucket_bytes=args.bucket_mb << 20,
         transport=args.transport,
         sync_timeout=dt.timedelta(seconds=120),
+        verify=getattr(args, "verify", "off"),
+        apply=getattr(args, "apply", "in_place"),
         step_timeout=dt.timedelta(seconds=600),
     )
     return control, sync
@@ -408,6 +410,8 @@ def run(
         port=port,
         ce_port=_free_port(),
         tag=f"{chunks}-{time.time_ns()}",  # keys of this run only, in a store shared by scenarios
+        verify=getattr(args, "verify", "off"),
+        apply=getattr(args, "apply", "in_place"),
     )
     _, specs = _specs(args.model)
     nbytes = sum(s.nbytes for s in specs)
@@ -514,6 +518,8 @@ def _peer_copy_gbps(nbytes: int = 1 << 30) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from weightbus.bench.gpu import add_sync_flags
+
     p = argparse.ArgumentParser(
         prog="python -m weightbus.bench.s5", description=__doc__.splitlines()[0]
     )
@@ -525,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB (default 256)")
     p.add_argument("--transport", default="auto", help="transport name or auto")
     p.add_argument("--no-peer", action="store_true", help="skip checkpoint-engine")
+    add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument("--kind", default=None, help="machine kind for the file name")
     a = p.parse_args(argv)
@@ -551,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         s5_chunks=a.chunks,
         s5_readers=a.readers,
         s5_peer=not a.no_peer,
+        verify=a.verify,
+        apply=a.apply,
     )
     entry = run(args, port=port, gbps={"ipc_pull": ipc}, n_gpu=n_gpu)
     del server
@@ -564,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": a.model,
         "bucket_mb": a.bucket_mb,
         "iters": a.iters,
+        "verify": a.verify,
+        "apply": a.apply,
         "ceilings": {"ipc_pull_gbps": round(ipc, 1)},
         "scenarios": [entry] if entry else [],
     }
