@@ -29,12 +29,13 @@ import time
 import traceback
 import uuid
 import zlib
-from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.threads import run_threads
 
 pytestmark = pytest.mark.faults
 
@@ -142,27 +143,6 @@ def poison_all(tensors: dict) -> None:
 
     for t in tensors.values():
         poison(t)
-
-
-def run_threads(bodies: dict[str, Callable[[], object]], limit: float = 90.0) -> dict:
-    """Run each body in a thread; ``{name: result or the exception it raised}``."""
-    out: dict = {}
-
-    def go(name, body):
-        try:
-            out[name] = body()
-        except BaseException as exc:
-            out[name] = exc
-
-    threads = [threading.Thread(target=go, args=kv, daemon=True) for kv in bodies.items()]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + limit
-    for t in threads:
-        t.join(timeout=max(0.1, deadline - time.monotonic()))
-    hung = [name for name in bodies if name not in out]
-    assert not hung, f"participants left hanging: {hung}; others: {out}"
-    return out
 
 
 @pytest.fixture

@@ -15,16 +15,14 @@
 from __future__ import annotations
 
 import random
-import threading
-import time
 import zlib
-from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.threads import run_threads
 from weightbus.transports.base import Handle, Transport, register_transport
 from weightbus.transports.gloo import GlooTransport
 
@@ -204,27 +202,6 @@ def same_bits(tensors: dict, want: dict) -> list[str]:
     return [
         k for k in want if not torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8))
     ]
-
-
-def run_threads(bodies: dict[str, Callable[[], object]], limit: float = 40.0) -> dict:
-    """Run each body in a thread; ``{name: result or the exception it raised}``."""
-    out: dict = {}
-
-    def go(name, body):
-        try:
-            out[name] = body()
-        except BaseException as exc:
-            out[name] = exc
-
-    threads = [threading.Thread(target=go, args=kv, daemon=True) for kv in bodies.items()]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + limit
-    for t in threads:
-        t.join(timeout=max(0.1, deadline - time.monotonic()))
-    hung = [name for name in bodies if name not in out]
-    assert not hung, f"participants left hanging: {hung}; others: {out}"
-    return out
 
 
 @pytest.fixture
