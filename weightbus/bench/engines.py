@@ -96,7 +96,8 @@ def _group(port: int, prefix: str, rank: int, world: int, gpu: int) -> None:
     )
 
 
-def _configs(a, rank_role: str):
+def _configs(a):
+    """The job's control and sync configs, the same on every participant."""
     from weightbus import ControlConfig, SyncConfig
 
     control = ControlConfig(
@@ -160,7 +161,7 @@ def _trainer(rank: int, a, q) -> None:
             fill_from_canonical(bound.layout, canon, bound.tensors)
         del canon
         torch.cuda.synchronize()
-        control, sync = _configs(a, "writer")
+        control, sync = _configs(a)
         writer = Writer(bound, control, sync)
         plan = writer.connect()
         times, result = _loop(writer, "writer", a)
@@ -202,7 +203,7 @@ def _engine(rank: int, a, q) -> None:
         bound = hf.bind(model, "reader", rank)
         live = {k: t.data_ptr() for k, t in bound.tensors.items()}
         held = sum(t.numel() * t.element_size() for t in bound.tensors.values())
-        control, sync = _configs(a, "reader")
+        control, sync = _configs(a)
         reader = Reader(bound, control, sync)
         plan = reader.connect()
 
