@@ -239,9 +239,9 @@ def test_a_joining_reader_that_does_not_fit_is_refused_alone(store):
 
     model = model_spec(MODEL)
     job = f"refuse-{uuid.uuid4().hex[:6]}"
-    steps = 6
-    go = {n: threading.Event() for n in ("shape", "codecs")}
-    sync = {"control": {"max_readers": 3}}
+    steps = 7
+    go = {n: threading.Event() for n in ("shape", "codecs", "verify")}
+    sync = {"control": {"max_readers": 4}}
 
     def writer():
         bound = writer_bound(model, 0, 1)
@@ -254,6 +254,8 @@ def test_a_joining_reader_that_does_not_fit_is_refused_alone(store):
                     go["shape"].set()
                 if v == 4:
                     go["codecs"].set()
+                if v == 5:
+                    go["verify"].set()
                 time.sleep(0.3)
             return w.control.epoch
 
@@ -275,8 +277,10 @@ def test_a_joining_reader_that_does_not_fit_is_refused_alone(store):
             extra = {}
             if kind == "shape":
                 m = model_spec({**PRESETS[MODEL], "intermediate_size": 96})
-            else:
+            elif kind == "codecs":
                 extra = {"delta": DeltaConfig()}
+            else:
+                extra = {"verify": "off"}
             control, config = configs(store.port, 1, 1, job, **sync, **extra)
             r = Reader(reader_bound(m, rank), control, config)
             r.connect()
@@ -291,6 +295,7 @@ def test_a_joining_reader_that_does_not_fit_is_refused_alone(store):
             "reader-0": reader,
             "shape": misfit("shape", 1),
             "codecs": misfit("codecs", 2),
+            "verify": misfit("verify", 3),
         }
     )
     assert isinstance(out["shape"], LayoutError), out
@@ -299,13 +304,16 @@ def test_a_joining_reader_that_does_not_fit_is_refused_alone(store):
     assert isinstance(out["codecs"], PlanMismatch), out
     assert "reader-2 cannot join" in str(out["codecs"]), out["codecs"]
     assert "reader-2 with no FP8 and deltas" in str(out["codecs"]), out["codecs"]
+    assert isinstance(out["verify"], PlanMismatch), out
+    assert "reader-3 cannot join" in str(out["verify"]), out["verify"]
+    assert "disagree on SyncConfig.verify" in str(out["verify"]), out["verify"]
     # the running job never noticed: every sync went through, bit exact
-    assert out["writer-0"] == 2, out  # each newcomer took an epoch, and was left out of it
+    assert out["writer-0"] == 3, out  # each newcomer took an epoch, and was left out of it
     assert [v for v, _ in out["reader-0"]] == list(range(1, steps + 1)), out
     assert sum(n for _, n in out["reader-0"]) == 0, out
     FIGURES["syncs"] += steps
-    FIGURES["injected"] += 2
-    FIGURES["detected"] += 2
+    FIGURES["injected"] += 3
+    FIGURES["detected"] += 3
 
 
 @pytest.mark.timeout(120)

@@ -36,6 +36,7 @@ from weightbus.transports.base import (
     select_transport,
     transport_class,
 )
+from weightbus.verify import level_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,8 @@ class _Session:
         first = self.plan is None
         codecs = self.config.codecs()
         self._agree_codecs(codecs)
+        # the verify level too: a joining reader with another one is refused alone
+        self._agree("verify", self.config.verify, level_mismatch)
         refused: dict[str, Exception] = {}
         writers, readers = self.control.exchange_layouts(
             self._wire_layout(codecs), timeout=self.config.connect_timeout, refused=refused

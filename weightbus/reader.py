@@ -37,7 +37,7 @@ from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
 from weightbus.plan.program import BucketOp, unpack
 from weightbus.spec import BoundLayout, LayoutError
 from weightbus.transports.base import Handle
-from weightbus.verify import Verifier, agree_level, check_reader, region_views
+from weightbus.verify import Verifier, check_reader, region_views
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,10 @@ class Reader(_Session):
         return super().connect()
 
     def _on_build(self) -> None:
-        """At connect and in every new membership epoch: agree on ``SyncConfig.verify`` with
-        every other participant, and note what a transactional commit copies."""
+        """At connect and in every new membership epoch (once every participant agreed on
+        ``SyncConfig.verify``): the verifier, and what a transactional commit copies."""
         self._told = -1  # sync numbers start again in a new epoch
         level = self.config.verify
-        agree_level(self.control, level, self.config.connect_timeout)
         self._verifier = Verifier(level) if level != "off" else None
         self._commit_keys = sorted({c.key for op in self.ops for c in op.copies})
         self._live_ptrs_at_connect = {k: self.live[k].data_ptr() for k in self._commit_keys}

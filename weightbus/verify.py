@@ -68,9 +68,9 @@ __all__ = [
     "PRIME",
     "VERIFY",
     "Verifier",
-    "agree_level",
     "buffer_views",
     "check_reader",
+    "level_mismatch",
     "post_writer",
     "region_views",
     "route_sums",
@@ -506,16 +506,13 @@ def _compare_bytes(
                 )
 
 
-def agree_level(control: ControlPlane, level: str, timeout: timedelta) -> None:
-    """Connect: every participant must verify at the same level (readers wait for sums that
-    writers post only when they verify); a disagreement names who holds which."""
-    try:
-        control.agree("verify", level, timeout=timeout)
-    except PlanMismatch as exc:
-        parts = [f"{d!r} held by {', '.join(n)}" for d, n in exc.groups.items()]
-        raise PlanMismatch(
-            "participants disagree on SyncConfig.verify: "
-            + "; ".join(parts)
-            + ": pass the same verify level to every writer and reader",
-            exc.groups,
-        ) from None
+def level_mismatch(exc: PlanMismatch) -> PlanMismatch:
+    """The error when participants verify at different levels (they must agree at connect:
+    readers wait for sums that writers post only when they verify), naming who holds which."""
+    parts = [f"{d!r} held by {', '.join(n)}" for d, n in exc.groups.items()]
+    return PlanMismatch(
+        "participants disagree on SyncConfig.verify: "
+        + "; ".join(parts)
+        + ": pass the same verify level to every writer and reader",
+        exc.groups,
+    )

@@ -16,7 +16,7 @@ from weightbus.errors import WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, WriterCodec, rest_tag
 from weightbus.plan.program import BucketOp, pack
 from weightbus.transports.base import Handle
-from weightbus.verify import Verifier, agree_level, buffer_views, post_writer, region_views
+from weightbus.verify import Verifier, buffer_views, post_writer, region_views
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,9 @@ class Writer(_Session):
         self._verifier: Verifier | None = None
 
     def _on_build(self) -> None:
-        """At connect and in every new membership epoch: agree on ``SyncConfig.verify`` with
-        every other participant (a failure here fails the connect or the sync)."""
+        """At connect and in every new membership epoch (once every participant agreed on
+        ``SyncConfig.verify``): the verifier."""
         level = self.config.verify
-        agree_level(self.control, level, self.config.connect_timeout)
         self._verifier = Verifier(level) if level != "off" else None
 
     def _make_codec(self, plan, codecs: CodecConfig) -> WriterCodec:
