@@ -605,10 +605,14 @@ class _Session:
     def _check_live_tensors(self) -> None:
         """In-place sends and receives hold views taken at connect: refuse to sync if the
         engine or trainer has since moved a tensor to new storage (``p.data = ...``)."""
-        for key, ptr in self._live_ptrs.items():
-            if self.bound.tensors[key].data_ptr() != ptr:
+        self._refuse_moved(self.bound.tensors, self._live_ptrs, "local tensor")
+
+    def _refuse_moved(self, tensors: Mapping[str, torch.Tensor], ptrs: dict, what: str) -> None:
+        """Fail the session if a tensor of ``tensors`` no longer starts at its ``ptrs`` address."""
+        for key, ptr in ptrs.items():
+            if tensors[key].data_ptr() != ptr:
                 err = LayoutError(
-                    f"{self.name}: local tensor {key!r} moved to new storage after connect; "
+                    f"{self.name}: {what} {key!r} moved to new storage after connect; "
                     "update tensors in place (copy_) or connect a new "
                     f"{type(self).__name__} after re-binding the model"
                 )

@@ -35,7 +35,7 @@ from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
 from weightbus.plan.program import BucketOp, unpack
-from weightbus.spec import BoundLayout, LayoutError
+from weightbus.spec import BoundLayout
 from weightbus.transports.base import Handle
 from weightbus.verify import Verifier, check_reader, region_views
 
@@ -104,7 +104,12 @@ class Reader(_Session):
         level = self.config.verify
         self._verifier = Verifier(level) if level != "off" else None
         self._commit_keys = sorted({c.key for op in self.ops for c in op.copies})
-        self._live_ptrs_at_connect = {k: self.live[k].data_ptr() for k in self._commit_keys}
+        # transactional: commits copy into the engine's tensors, which must stay where they are
+        self._live_ptrs_at_connect = (
+            {k: self.live[k].data_ptr() for k in self._commit_keys}
+            if self.apply == "transactional"
+            else {}
+        )
 
     def _choose_apply(self) -> str:
         want = self.config.apply
@@ -125,15 +130,7 @@ class Reader(_Session):
 
     def _check_live_tensors(self) -> None:
         super()._check_live_tensors()
-        for key, ptr in self._live_ptrs_at_connect.items():
-            if self.live[key].data_ptr() != ptr and self.apply == "transactional":
-                err = LayoutError(
-                    f"{self.name}: engine tensor {key!r} moved to new storage after connect; "
-                    "update tensors in place (copy_) or connect a new Reader after re-binding "
-                    "the model"
-                )
-                self._fail(err)
-                raise err
+        self._refuse_moved(self.live, self._live_ptrs_at_connect, "engine tensor")
 
     def _make_codec(self, plan, codecs: CodecConfig) -> ReaderCodec | None:
         # FP8 bytes land in the engine's FP8 tensors like any others: only deltas need decoding
