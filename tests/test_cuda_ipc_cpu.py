@@ -111,3 +111,55 @@ def test_replicas_are_chained_bucket_by_bucket():
     # two tensor-parallel ranks hold different halves: no bucket of one is another's
     tables, roster, _ = _writer_tables("whole", "vllm:tp=2")
     assert _relays(tables, roster) == {}
+
+
+class _Stream:
+    """Records which streams a stream was made to wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.waits = name, []
+
+    def wait_stream(self, other) -> None:
+        self.waits.append(other.name)
+
+
+def test_pulls_are_queued_source_by_source_in_issue_order(monkeypatch):
+    """However the reader posts its pulls, each source's buckets are queued in issue order
+    (``position``), one source after the other, and the next sync starts over."""
+    from types import SimpleNamespace
+
+    from weightbus.transports import cuda_ipc
+
+    sources = [SimpleNamespace(name=n, stream=_Stream(n), side=_Stream(n + "/side")) for n in "abc"]
+    counts = [3, 1, 4]
+    buckets, issued = {}, []
+    for s, (src, n) in enumerate(zip(sources, counts, strict=True)):
+        for pos in range(n):
+            b = SimpleNamespace(source=src, position=pos, nbytes=1)
+            buckets[(s, 10 * s + (n - 1 - pos))] = b  # tags run against positions
+    t = cuda_ipc.CudaIpcTransport.__new__(cuda_ipc.CudaIpcTransport)
+    t.roster = SimpleNamespace(global_rank=lambda name: "abc".index(name))
+    t._buckets, t._order, t._counts = buckets, sources, counts
+    t._stage_of = {src.name: i for i, src in enumerate(sources)}
+    t._held, t._cursor, t._stage = [{} for _ in sources], [0] * 3, 0
+    t._pulled, t._sync, t._waited, t._device = 0, 0, set(), None
+    main = _Stream("main")
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "current_stream", lambda device: main)
+
+    def issue(b, handle):
+        issued.append((b.source.name, b.position))
+        t._pulled += 1
+
+    monkeypatch.setattr(t, "_issue", issue)
+    rng = random.Random(5)
+    for sync in range(2):
+        keys = list(buckets)
+        rng.shuffle(keys)
+        for peer, tag in keys:
+            t._pull(SimpleNamespace(peer=SimpleNamespace(name="abc"[peer]), tag=tag))
+        want = [(n, p) for n, c in zip("abc", counts, strict=True) for p in range(c)]
+        assert issued == want, (sync, issued)
+        assert t._sync == sync + 1 and t._stage == 0 and not any(t._held)
+        issued.clear()
+    # each next source's streams waited for the one before it
+    assert "a" in sources[1].stream.waits and "b" in sources[2].stream.waits

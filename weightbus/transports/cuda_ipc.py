@@ -249,8 +249,6 @@ class CudaIpcTransport(Transport):
         self._stage_of: dict[str, int] = {}
         self._counts: list[int] = []  # buckets per source, in that order
         self._stage = 0  # the source being queued now
-        self._left: list[int] = []
-        self._deferred: list[list[tuple[_Bucket, Handle]]] = []
         self._held: list[dict[int, tuple[_Bucket, Handle]]] = []  # per source, by position
         self._cursor: list[int] = []  # per source: the position queued next
 
@@ -474,8 +472,6 @@ class CudaIpcTransport(Transport):
         self._counts = [0] * len(self._order)
         for b in self._buckets.values():
             self._counts[self._stage_of[b.source.name]] += 1
-        self._left = list(self._counts)
-        self._deferred = [[] for _ in self._order]
         # each source's buckets are queued in issue order (see above), whatever order the
         # reader posts them in
         seen = [0] * len(self._order)
@@ -554,22 +550,23 @@ class CudaIpcTransport(Transport):
         handle.nbytes = b.nbytes
         # One source at a time, in this reader's rotated order (see _expose_reader): buckets
         # of a later source wait here until every bucket of the one before is queued.
-        stage = self._stage_of[b.source.name]
-        if stage != self._stage:
-            self._deferred[stage].append((b, handle))
-            return
-        self._offer(stage, b, handle)
-        while self._stage + 1 < len(self._order) and self._left[self._stage] == 0:
-            done = self._order[self._stage]
+        # Within a source, in issue order (``position``): a bucket waits here until every one
+        # before it is queued.
+        self._held[self._stage_of[b.source.name]][b.position] = (b, handle)
+        while True:
+            stage, held = self._stage, self._held[self._stage]
+            while self._cursor[stage] in held:
+                b2, h2 = held.pop(self._cursor[stage])
+                self._cursor[stage] += 1
+                self._issue(b2, h2)
+            if self._cursor[stage] < self._counts[stage] or stage + 1 == len(self._order):
+                break
+            done, nxt = self._order[stage], self._order[stage + 1]
             self._stage += 1
-            nxt = self._order[self._stage]
             # the next source's copies start on the GPU once the previous source's are done
             for a in dict.fromkeys((done.stream, done.side)):
                 for z in dict.fromkeys((nxt.stream, nxt.side)):
                     z.wait_stream(a)
-            for b2, h2 in self._deferred[self._stage]:
-                self._offer(self._stage, b2, h2)
-            self._deferred[self._stage].clear()
         if self._pulled == len(self._buckets):  # every bucket of this sync is queued
             main = torch.cuda.current_stream(self._device)
             for src in self._order:
@@ -581,17 +578,7 @@ class CudaIpcTransport(Transport):
             for src in self._order:
                 src.last_ready = None
             self._stage = 0
-            self._left = [n for n in self._counts]
             self._cursor = [0] * len(self._order)
-
-    def _offer(self, stage: int, b: _Bucket, handle: Handle) -> None:
-        """Queue ``b`` once every bucket of its source that comes before it is queued."""
-        held = self._held[stage]
-        held[b.position] = (b, handle)
-        while self._cursor[stage] in held:
-            b2, h2 = held.pop(self._cursor[stage])
-            self._cursor[stage] += 1
-            self._issue(b2, h2)
 
     def _issue(self, b: _Bucket, handle: Handle) -> None:
         """Queue one bucket's copies. The reader's current stream waits for them all once the
@@ -644,7 +631,6 @@ class CudaIpcTransport(Transport):
             event, index = b.relayed
             event.record(main)
             self.control.post(f"{self._topic}/relayed/{self._sync}/{index}", {})
-        self._left[self._stage_of[src.name]] -= 1
         self._pulled += 1
         self._completed(handle)
 
