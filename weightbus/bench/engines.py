@@ -78,13 +78,6 @@ def _write_sparse_checkpoint(path: Path, preset: str) -> int:
     return offset
 
 
-def _canonical(layout, device) -> dict:
-    """The trainer's weights: per tensor, the bench's seeded values (``gpu._canonical``)."""
-    from weightbus.bench.gpu import _canonical as canonical
-
-    return canonical(layout, device)
-
-
 def _group(port: int, prefix: str, rank: int, world: int, gpu: int) -> None:
     import torch
     import torch.distributed as dist
@@ -145,6 +138,7 @@ def _trainer(rank: int, a, q) -> None:
         from transformers import AutoModelForCausalLM
 
         from weightbus import Writer
+        from weightbus.bench.gpu import _canonical
         from weightbus.engines import hf
         from weightbus.engines.torch_dist import fully_shard_model
         from weightbus.plan import fill_from_canonical
@@ -192,6 +186,7 @@ def _engine(rank: int, a, q) -> None:
         import torch
 
         from weightbus import Reader
+        from weightbus.bench.gpu import _canonical
         from weightbus.engines import hf
         from weightbus.engines.torch_dist import load_tensor_parallel
         from weightbus.plan import allocate, fill_from_canonical, poison
