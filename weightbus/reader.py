@@ -20,6 +20,7 @@ SGLang) run in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -247,8 +248,15 @@ class Reader(_Session):
             phases["transfer"] += time.perf_counter() - t
             if verifier is not None:
                 t = time.perf_counter()
+                # a pulling transport tells when each bucket landed: its sums overlap the
+                # later buckets' copies instead of following the last one
+                landed = getattr(transport, "landed", None)
                 for op in direct_ops:
-                    verifier.add(op, region_views(op, tensors))
+                    after = landed(op.peer_global, op.bucket) if landed is not None else ()
+                    if after:
+                        verifier.add(op, functools.partial(region_views, op, tensors), after)
+                    else:
+                        verifier.add(op, region_views(op, tensors))
                 phases["verify"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -269,6 +269,8 @@ class Verifier:
             raise ValueError(f"verify level {level!r} must be one of {LEVELS[1:]} here")
         self.level = level
         self._cache: dict = {}
+        self._gpu = None  # GpuSums once a CUDA bucket came (False: Triton is missing)
+        self._side: dict = {}  # per device, the stream of sums that wait for events
         self._pending: dict[int, torch.Tensor] = {}
         self._bytes: dict[int, list[np.ndarray]] = {}
 
@@ -277,25 +279,70 @@ class Verifier:
         self._pending, self._bytes = {}, {}
 
     @torch.no_grad()
-    def add(self, op: BucketOp, views: Sequence[torch.Tensor]) -> None:
-        """Sum bucket ``op``'s routes, given as ``views`` (one per copy, in copy order)."""
+    def add(
+        self,
+        op: BucketOp,
+        views: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
+        after: Sequence[torch.cuda.Event] = (),
+    ) -> None:
+        """Sum bucket ``op``'s routes, given as ``views`` (one per copy, in copy order).
+
+        ``after``: CUDA events that fire once the bucket's bytes are in place (a pulling
+        transport's :meth:`landed`). The sums then run on a stream of their own as soon as
+        those fire, overlapping the later buckets' copies, instead of after everything;
+        ``views`` is then a function making the views, called on that stream (a cast region
+        is made there too, after the events).
+        """
+        if after:
+            device = torch.cuda.current_device()  # this participant's (views live there)
+            stream = self._side.get(device)
+            if stream is None:
+                stream = self._side[device] = torch.cuda.Stream(device)
+            for event in after:
+                stream.wait_event(event)
+            with torch.cuda.stream(stream):
+                self.add(op, views)
+            return
+        if callable(views):
+            views = views()
         if len(views) != len(op.copies):
             raise WeightbusError(
                 f"bucket {op.bucket}: {len(views)} views for {len(op.copies)} routes"
             )
-        self._pending[op.bucket] = route_sums(views, cache=self._cache)
+        sums = self._on_gpu(views) if views and views[0].is_cuda else None
+        self._pending[op.bucket] = (
+            sums if sums is not None else route_sums(views, cache=self._cache)
+        )
         if self.level == "full":
             self._bytes[op.bucket] = [_raw(x) for x in views]
+
+    def _on_gpu(self, views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The sums by the Triton kernel (``s2`` reduced in :meth:`collect`), or None where
+        it does not apply (no Triton, a column stride other than 1)."""
+        if self._gpu is None:
+            try:
+                from weightbus._verify_triton import GpuSums
+            except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+                self._gpu = False
+            else:
+                self._gpu = GpuSums()
+        if self._gpu is False:
+            return None
+        return self._gpu.add([_pieces(_words(x)) for x in views])
 
     def collect(self) -> dict[int, np.ndarray]:
         """Every bucket's sums on the host, ``{bucket: (routes, 2) int64}`` (one copy)."""
         if not self._pending:
             return {}
+        for stream in self._side.values():  # sums made on streams of their own
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
         ids = list(self._pending)
         parts = [self._pending[b] for b in ids]
         if len({t.device for t in parts}) > 1:  # e.g. a delta shadow in host memory
             parts = [t.cpu() for t in parts]
-        host = torch.cat(parts).cpu().numpy()  # the one device-to-host copy of the sync
+        both = torch.cat(parts)
+        both[:, 1] %= PRIME  # the GPU kernel's s2 comes unreduced (idempotent on the others)
+        host = both.cpu().numpy()  # the one device-to-host copy of the sync
         out, at = {}, 0
         for b in ids:
             n = self._pending[b].shape[0]

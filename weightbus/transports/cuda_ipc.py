@@ -47,7 +47,7 @@ import torch
 
 from weightbus.control.store import ListOf, Row, Schema
 from weightbus.errors import PlanMismatch, ProtocolError, WeightbusError
-from weightbus.spec import torch_dtype
+from weightbus.spec import Participant, torch_dtype
 from weightbus.transports._cuda import Cudart, copy_job, cuda_device
 from weightbus.transports.base import Handle, Program, Transport, register_transport
 
@@ -108,6 +108,7 @@ class _Bucket:
 
     __slots__ = (
         "jobs",
+        "landed",
         "nbytes",
         "pairs",
         "position",
@@ -125,6 +126,7 @@ class _Bucket:
         self.ready: torch.cuda.Event | None = None  # upstream reader's event for this bucket
         self.ready_index = -1  # which of the upstream's events that is
         self.position = 0  # where this reader queues it among its source's buckets
+        self.landed: tuple[torch.cuda.Event, ...] = ()  # recorded after its copies, each sync
         # ours to record after this bucket, (event, index), when it ends a relayed chunk
         self.relayed: tuple[torch.cuda.Event, int] | None = None
 
@@ -623,6 +625,12 @@ class CudaIpcTransport(Transport):
             with torch.no_grad(), torch.cuda.stream(src.side), torch.cuda.stream(src.stream):
                 for dst, region, wire in b.pairs:
                     dst.copy_(region if wire is None else region.to(wire), non_blocking=True)
+        if not b.landed:
+            two = b.pairs and src.side is not src.stream
+            b.landed = tuple(torch.cuda.Event() for _ in range(2 if two else 1))
+        b.landed[0].record(src.stream)
+        if len(b.landed) > 1:
+            b.landed[1].record(src.side)
         if b.relayed is not None:
             # the buckets relayed so far are in our tensors once this fires
             main = torch.cuda.current_stream(self._device)
@@ -633,6 +641,14 @@ class CudaIpcTransport(Transport):
             self.control.post(f"{self._topic}/relayed/{self._sync}/{index}", {})
         self._pulled += 1
         self._completed(handle)
+
+    def landed(self, peer: Participant | str | int, tag: int) -> tuple[torch.cuda.Event, ...]:
+        """Events that fire once bucket ``tag`` of writer ``peer`` is in this reader's tensors,
+        in the sync whose pulls were last queued (so a reader can verify a bucket while later
+        ones are still copied); () for a bucket this reader does not pull."""
+        assert self.roster is not None
+        b = self._buckets.get((self.roster.global_rank(self._peer(peer).name), tag))
+        return () if b is None else b.landed
 
     def _close(self) -> None:
         self._buckets.clear()
