@@ -85,12 +85,15 @@ def _regions(device, block):
     a = torch.randn(300, 270, generator=g).to(torch.bfloat16)
     b = torch.randn(260, 150, generator=g).t()  # fp32, strided
     c = torch.randn(200, 300, generator=g).to(torch.float16)[:, 7:290]
+    d = torch.randn(256, 384, generator=g).to(torch.bfloat16)  # whole weights, row shards:
+    e = torch.randn(96, 160, generator=g)  # the aligned kernels' 16-byte loads and stores
     cpu = [(a[20:290, 5:260], (40, 9)), (b, (0, 0)), (c, (130, 3)), (a[:50, :70], (128, 0))]
+    cpu += [(d, (0, 0)), (d[64:200], (64, 0)), (d[:, 128:], (0, 128)), (e, (32, 0))]
     out, off = [], 0
     for x, origin in cpu:
         s = scales_from_amax(block_amax(x, origin=origin, block=block, impl="torch"), Fp8Config())
         out.append((x.to(device), origin, s.to(device), off, x.shape[1]))
-        off += x.numel() + 64
+        off += -(-(x.numel() + 64) // 16) * 16
     return out, off
 
 
@@ -100,6 +103,7 @@ def test_one_launch_quantize_matches_the_torch_plan(block):
     cpu, _ = _regions("cpu", block)
     plan = QuantizePlan(gpu, block, torch.device("cuda"))
     assert plan._table is not None  # the Triton table, not torch
+    assert {aligned for (_, aligned), *_ in plan._table.groups} == {False, True}
     got = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
     plan.run(got)
     want = torch.full((size,), 7, dtype=torch.uint8)
