@@ -33,8 +33,9 @@ Where the copies run: on streams of the source's GPU (its copy engines push), cr
 reader process. torch runs a cross-GPU ``copy_`` (the fallback) there too, borrowing the
 source GPU's SMs for its kernel.
 
-Order: a reader pulls from one source at a time, each reader starting at another one (see
-``_expose_reader``); buckets of one source are queued in the order the reader posts them.
+Order: a reader pulls from one source at a time, each reader starting at another writer, and
+from relaying readers after the writers (see ``_expose_reader``); buckets of one source are
+queued in the order the reader posts them, except that a reader pulls what it relays first.
 """
 
 from __future__ import annotations
@@ -354,11 +355,15 @@ class CudaIpcTransport(Transport):
             n = source_of(op)
             w = int(writers[roster.all[op.peer_global].name].get("order", 0))
             ready[n] = min(ready.get(n, w), w)
+        # Among sources ready alike, relaying readers come after the writers: their bytes
+        # arrive only as they pull them (a reader that pulled the relay first would wait for
+        # it, idle, with writer stages still to go).
         names = []
         for order in sorted(set(ready.values())):
             group = sorted((n for n in ready if ready[n] == order), key=roster.global_rank)
-            k = me.rank % len(group)
-            names += group[k:] + group[:k]
+            ws = [n for n in group if n in writers]
+            k = me.rank % len(ws) if ws else 0
+            names += ws[k:] + ws[:k] + [n for n in group if n not in writers]
         stage = {n: i for i, n in enumerate(names)}
         # Relay tables go down the chains: an upstream reader always has a lower rank, so each
         # reader waits for its upstreams' tables (where they queue what they relay), then
@@ -384,16 +389,19 @@ class CudaIpcTransport(Transport):
                     tags.index(up[1]) if up[1] in tags else -1
                 )
 
-        def queued(op) -> tuple[int, int, int]:
-            key = (op.peer_global, op.bucket)
-            return stage[source_of(op)], upstream_at.get(key, -1), posted[key]
-
-        issue_order = sorted(program.ops, key=queued)
         # buckets a later reader pulls from this one: our regions shared, and an event (and a
         # control message) per chunk of them in issue order: each wait on another process's
         # event pauses the waiting stream, so per-bucket events would throttle the relay,
         # and one chunk is the lag of each hop
         relayed_out = {up[1] for up in upstream.values() if up[0] == mine}
+
+        def queued(op) -> tuple[int, int, int, int]:
+            # within a source, what this reader relays goes first: the next reader waits for it
+            key = (op.peer_global, op.bucket)
+            relays = op.bucket not in relayed_out
+            return stage[source_of(op)], relays, upstream_at.get(key, -1), posted[key]
+
+        issue_order = sorted(program.ops, key=queued)
         out_ops = [op for op in issue_order if op.bucket in relayed_out]
         chunks = max(1, min(_RELAY_CHUNKS, control.config.topic_window // 4))
         chunk = max(sum(op.nbytes for op in out_ops) // chunks, 1)
