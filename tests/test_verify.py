@@ -566,6 +566,7 @@ def test_verifier_kernel_on_cuda_equals_the_cpu_sums():
         torch.randn(4, 5, 6)[:, 1:4, :].bfloat16(),  # leading dims that do not collapse
         torch.randn(4, 5, 6).bfloat16()[:, 1:4, :],
         torch.randn(1024, 4096).bfloat16(),  # aligned: 16-byte loads
+        torch.randn(1500, 700).bfloat16()[3:, 5:],  # several row groups per program
         torch.randn(333).bfloat16(),
         torch.full((40, 300), -32768, dtype=torch.int16),
         torch.tensor(3.0).bfloat16(),

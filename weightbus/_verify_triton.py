@@ -4,14 +4,14 @@ Imported only for CUDA tensors, where Triton exists. Computes exactly the ``s1``
 :mod:`weightbus.verify` (so CPU and GPU sums compare), without any floating point:
 
 A bucket's routes are cut into 2-D *pieces* (rows of words with unit column stride) and each
-piece into tiles of ``_BR x _BC`` words. A program sums its tile three ways, exactly in
+piece into tiles of ``_GROUP * _BR x _BC`` words. A program sums its tile three ways, exactly in
 integers: ``A = sum w``, ``R = sum r * w`` and ``C = sum c * w`` over the tile's local row
 ``r`` and column ``c``. A word's position in its route is ``p0 + r * width + c`` (``p0`` the
 tile's first word's), so the tile adds ``A`` to ``s1`` and
 ``(p0 + 1) * A + width * R + C`` (mod ``PRIME``) to ``s2``, both with integer atomics (whose
 order does not matter). Bounds: narrow words (1 and 2 bytes) are summed along a row in int32
 (``|c * w| <= 255 * 2**15``, a row of 256 words stays below ``2**31``), everything else in
-int64, far from overflow at ``2**13`` words per tile.
+int64, far from overflow at ``2**17`` words per tile (``r < 2**9``).
 
 The tables (pieces: address, row stride, rows, width, first position, route; tiles: piece,
 tile row, tile column) are built on the host once per bucket geometry and buffer, and kept.
@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 
 _BR, _BC = 32, 256  # words per tile: rows, columns (_BC <= 256 keeps narrow row sums in int32)
+# row tiles per program: a route's programs all add into its two sums, and atomics on one
+# address serialize (one tile per program ran at 0.84 TB/s on an H200)
+_GROUP = 16
 _PIECE = 6  # int64 per piece: address, row stride, rows, width, first position, route
 _KIND = {torch.uint8: 0, torch.int16: 1, torch.int32: 2}
 _CACHED = 1024  # tables kept per verifier (buckets x staging buffers)
@@ -43,6 +46,7 @@ def _sums_kernel(
     ALIGNED: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     k = tl.load(tiles_ptr + pid * 3).to(tl.int64)
@@ -65,24 +69,31 @@ def _sums_kernel(
         ptr = tl.multiple_of(ptr, 16)
         s0 = tl.multiple_of(s0, 16)
         w = tl.multiple_of(w, 16)
-    r = tr * BR + tl.arange(0, BR).to(tl.int64)
     c = tc * BC + tl.arange(0, BC).to(tl.int64)
-    mask = (r < h)[:, None] & (c < w)[None, :]
-    x = tl.load(ptr + r[:, None] * s0 + c[None, :], mask=mask, other=0)
     cl = tl.arange(0, BC)
-    if KIND == 2:
-        x64 = x.to(tl.int64)
-        row_a = tl.sum(x64, axis=1)
-        row_c = tl.sum(x64 * cl.to(tl.int64)[None, :], axis=1)
-    else:
-        x32 = x.to(tl.int32)  # uint8 widens unsigned, int16 signed
-        row_a = tl.sum(x32, axis=1).to(tl.int64)
-        row_c = tl.sum(x32 * cl[None, :], axis=1).to(tl.int64)
-    rl = tl.arange(0, BR).to(tl.int64)
-    a = tl.sum(row_a, axis=0)
-    rr = tl.sum(row_a * rl, axis=0)
-    cc = tl.sum(row_c, axis=0)
-    p0 = first + tr * BR * w + tc * BC
+    a = tl.zeros([BR], tl.int64)
+    rr = tl.zeros([BR], tl.int64)
+    cc = tl.zeros([BR], tl.int64)
+    for g in range(GROUP):  # GROUP row blocks per program: fewer atomics on a route's sums
+        rl = g * BR + tl.arange(0, BR).to(tl.int64)
+        r = tr * (GROUP * BR) + rl
+        mask = (r < h)[:, None] & (c < w)[None, :]
+        x = tl.load(ptr + r[:, None] * s0 + c[None, :], mask=mask, other=0)
+        if KIND == 2:
+            x64 = x.to(tl.int64)
+            row_a = tl.sum(x64, axis=1)
+            row_c = tl.sum(x64 * cl.to(tl.int64)[None, :], axis=1)
+        else:
+            x32 = x.to(tl.int32)  # uint8 widens unsigned, int16 signed
+            row_a = tl.sum(x32, axis=1).to(tl.int64)
+            row_c = tl.sum(x32 * cl[None, :], axis=1).to(tl.int64)
+        a += row_a
+        rr += row_a * rl
+        cc += row_c
+    a = tl.sum(a, axis=0)
+    rr = tl.sum(rr, axis=0)
+    cc = tl.sum(cc, axis=0)
+    p0 = first + tr * (GROUP * BR) * w + tc * BC
     # residues in [0, prime): products of two stay below 2**62
     am = (a % prime + prime) % prime
     rm = (rr % prime + prime) % prime
@@ -114,7 +125,7 @@ class _Table:
             tiles = []
             for k, (_, _, h, w, _, _) in enumerate(rows):
                 tr, tc = np.meshgrid(
-                    np.arange(-(-h // _BR)), np.arange(-(-w // _BC)), indexing="ij"
+                    np.arange(-(-h // (_BR * _GROUP))), np.arange(-(-w // _BC)), indexing="ij"
                 )
                 tiles.append(np.stack([np.full(tr.size, k), tr.ravel(), tc.ravel()], 1))
             t = np.concatenate(tiles).astype(np.int32)
@@ -194,6 +205,7 @@ class GpuSums:
                     ALIGNED=aligned,
                     BR=_BR,
                     BC=_BC,
+                    GROUP=_GROUP,
                     num_warps=8,
                 )
         return out
