@@ -427,9 +427,9 @@ def _proc_reader(rank: int, port: int, job: str, mode: str, events: dict, q) -> 
     middle of sync 3), "replacement" (starts under the victim's rank once it is free)."""
     name = f"reader-{rank}" + ("-new" if mode == "replacement" else "")
     try:
-        import weightbus.reader
         from weightbus import Reader
         from weightbus.layouts.families import model_spec
+        from weightbus.plan.program import BucketCopier
 
         torch.set_num_threads(1)
         model = model_spec(MODEL)
@@ -440,16 +440,16 @@ def _proc_reader(rank: int, port: int, job: str, mode: str, events: dict, q) -> 
         control, config = configs(port, 2, 3, job, apply=apply)
         reader = Reader(bound, control, config)
         if mode == "victim":
-            real_unpack, calls = weightbus.reader.unpack, [0]
+            real_unpack, calls = BucketCopier.unpack, [0]
 
-            def unpack(op, tensors, buf):
+            def unpack(self, op, tensors, buf):
                 if reader.version == KILLED_IN - 1:
                     calls[0] += 1
                     if calls[0] == 2:  # one bucket in place, the rest still to come
                         os.kill(os.getpid(), signal.SIGKILL)
-                real_unpack(op, tensors, buf)
+                real_unpack(self, op, tensors, buf)
 
-            weightbus.reader.unpack = unpack
+            BucketCopier.unpack = unpack
         reader.connect()
         log = []
         version = 0

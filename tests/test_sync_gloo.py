@@ -60,11 +60,11 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        import weightbus.writer
         from weightbus import Participant, Writer
         from weightbus.layouts.dtensor import bind_dtensors
         from weightbus.layouts.families import model_spec
         from weightbus.plan import fill_from_canonical
+        from weightbus.plan.program import BucketCopier
 
         torch.set_num_threads(1)
         in_place = []
@@ -78,15 +78,15 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         named = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in canon.items() if n != skip}
         bound = bind_dtensors(named, Participant(role="writer", rank=rank))
         if mode == "kill_writer" and rank == 1:
-            real_pack, calls = weightbus.writer.pack, [0]
+            real_pack, calls = BucketCopier.pack, [0]
 
-            def pack(op, tensors, buf):
+            def pack(self, op, tensors, buf):
                 calls[0] += 1
                 if writer.version == 2 and calls[0] > 1:
                     os._exit(17)  # dies in the middle of sync 3
-                real_pack(op, tensors, buf)
+                real_pack(self, op, tensors, buf)
 
-            weightbus.writer.pack = pack
+            BucketCopier.pack = pack
         control, sync = _configs(port, n_w, n_r)
         writer = Writer(bound, control, sync)
         writer.connect()
@@ -104,11 +104,11 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
 
 def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
     try:
-        import weightbus.reader
         from weightbus import BoundLayout, Participant, Reader, SyncTimeout
         from weightbus.layouts.families import PRESETS, model_spec
         from weightbus.layouts.fused import engine_layout
         from weightbus.plan import allocate, fill_from_canonical, poison
+        from weightbus.plan.program import BucketCopier
 
         torch.set_num_threads(1)
         config = dict(PRESETS["tiny-llama"])
@@ -121,14 +121,14 @@ def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         tensors = allocate(layout)
         ids = {k: id(t) for k, t in tensors.items()}
         if mode == "kill_reader" and rank == 1:
-            real_unpack = weightbus.reader.unpack
+            real_unpack = BucketCopier.unpack
 
-            def unpack(op, t, buf):
+            def unpack(self, op, t, buf):
                 if reader.version == 2:
                     os._exit(17)  # dies in the middle of sync 3
-                real_unpack(op, t, buf)
+                real_unpack(self, op, t, buf)
 
-            weightbus.reader.unpack = unpack
+            BucketCopier.unpack = unpack
         control, sync = _configs(port, n_w, n_r)
         reader = Reader(BoundLayout(layout=layout, tensors=tensors), control, sync)
         reader.connect()

@@ -425,19 +425,19 @@ def test_flipped_byte_is_caught_through_the_codecs(store, codec):
 @pytest.mark.timeout(60)
 def test_a_wrong_unpack_is_caught_by_the_reader_summing_its_tensors(store, monkeypatch):
     """The bytes arrive intact but one element lands wrong in the engine's tensors."""
-    import weightbus.reader
     from weightbus.errors import ChecksumMismatch
+    from weightbus.plan.program import BucketCopier
 
-    real, hit = weightbus.reader.unpack, []
+    real, hit = BucketCopier.unpack, []
 
-    def unpack(op, tensors, buf):
-        real(op, tensors, buf)
+    def unpack(self, op, tensors, buf):
+        real(self, op, tensors, buf)
         for c in op.copies:
             if not hit and c.key.endswith("o_proj.weight"):
                 tensors[c.key][c.index][0, 3] += 1  # e.g. a scatter off by one element
                 hit.append(c.tensor)
 
-    monkeypatch.setattr(weightbus.reader, "unpack", unpack)
+    monkeypatch.setattr(BucketCopier, "unpack", unpack)
     out, _ = _flip_job(store, where="none", transport="gloo", direct_bytes=1 << 30)
     errors = [e for e in out.values() if isinstance(e, ChecksumMismatch)]
     assert len(errors) == 1 and hit and hit[0] in str(errors[0]), out

@@ -26,7 +26,7 @@ from weightbus.errors import (
 )
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, wire_layout
-from weightbus.plan.program import BucketOp, direct_view
+from weightbus.plan.program import BucketCopier, BucketOp, direct_view
 from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
 from weightbus.transports.base import (
     TRANSPORT_ENV,
@@ -287,6 +287,7 @@ class _Session:
         largest = max(staged, default=0)
         n = min(self.config.staging_buffers, len(staged))
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
+        self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
         self.transport.register(self._staging)
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(

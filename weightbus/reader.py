@@ -35,7 +35,7 @@ from weightbus.codecs.delta import directory_bytes
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
-from weightbus.plan.program import BucketOp, unpack
+from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout
 from weightbus.transports.base import Handle
 from weightbus.verify import Verifier, check_reader, region_views
@@ -324,7 +324,7 @@ class Reader(_Session):
         self.transport.wait([handle], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
-        unpack(op, tensors, buf[: op.nbytes])
+        self.copier.unpack(op, tensors, buf[: op.nbytes])
         phases["unpack"] += time.perf_counter() - t
         if self._verifier is not None:
             t = time.perf_counter()

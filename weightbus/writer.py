@@ -14,7 +14,7 @@ from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, WriterCodec, rest_tag
-from weightbus.plan.program import BucketOp, pack
+from weightbus.plan.program import BucketOp
 from weightbus.transports.base import Handle
 from weightbus.verify import Verifier, buffer_views, post_writer, region_views
 
@@ -132,7 +132,7 @@ class Writer(_Session):
                     buf = free.popleft()
                     t = time.perf_counter()
                     view = buf[: op.nbytes]
-                    pack(op, tensors, view)
+                    self.copier.pack(op, tensors, view)
                     phases["pack"] += time.perf_counter() - t
                     staged.append((transport.send(op.peer_global, view, op.bucket), buf))
                     sums = buffer_views(op, view) if verifier is not None else None

@@ -14,7 +14,7 @@ import torch
 from weightbus.plan.planner import TransferPlan
 from weightbus.spec import torch_dtype
 
-__all__ = ["Copy", "BucketOp", "build_program", "direct_view", "pack", "unpack"]
+__all__ = ["BucketCopier", "BucketOp", "Copy", "build_program", "direct_view", "pack", "unpack"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +106,64 @@ def direct_view(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tens
     if view.dtype != c.dtype or not view.is_contiguous() or c.offset != 0 or c.nbytes != op.nbytes:
         return None
     return view.reshape(-1).view(torch.uint8)
+
+
+class BucketCopier:
+    """:func:`pack` and :func:`unpack`, compiled per bucket on CUDA: the first time a bucket
+    is packed from (or unpacked into) a buffer, its routes become one Triton copy table (see
+    :mod:`weightbus.plan._copy_triton`), and every later time one launch copies them all;
+    casts and odd strides keep ``copy_``. The live tensors must stay in place (sessions check
+    it every sync); one copier serves one set of buffers (a session's epoch)."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple, tuple] = {}
+        self._triton: object = None
+
+    def pack(self, op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
+        """As :func:`pack`."""
+        self._run(op, tensors, buf, True)
+
+    def unpack(self, op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
+        """As :func:`unpack`."""
+        self._run(op, tensors, buf, False)
+
+    @torch.no_grad()
+    def _run(self, op, tensors, buf, packing: bool) -> None:
+        if buf.device.type != "cuda":
+            (pack if packing else unpack)(op, tensors, buf)
+            return
+        key = (id(op), id(tensors), buf.data_ptr(), packing)
+        entry = self._compiled.get(key)
+        if entry is None or entry[0] is not op or entry[1] is not tensors:
+            entry = self._compiled[key] = (op, tensors, *self._compile(op, tensors, buf, packing))
+        _, _, table, rest = entry
+        if table is not None:
+            table.run()
+        for region, wire in rest:
+            if packing:
+                wire.copy_(region)
+            else:
+                region.copy_(wire)
+
+    def _compile(self, op, tensors, buf, packing: bool):
+        if self._triton is None:
+            try:
+                from weightbus.plan import _copy_triton
+            except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+                self._triton = False
+            else:
+                self._triton = _copy_triton
+        kernel, rest = [], []
+        for c in op.copies:
+            region, wire = tensors[c.key][c.index], _wire_view(buf, c)
+            words = self._triton.words(region) if self._triton else None
+            fits = words is not None and region.dtype == c.dtype and region.is_cuda
+            if fits and self._triton.blocks(words) is not None:
+                kernel.append((region, wire))
+            else:
+                rest.append((region, wire))
+        table = self._triton.CopyTable(kernel, pack=packing) if kernel else None
+        return table, tuple(rest)
 
 
 def _wire_view(buf: torch.Tensor, c: Copy) -> torch.Tensor:
