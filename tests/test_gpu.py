@@ -85,3 +85,14 @@ def test_sync_between_gpus_bit_exact_cuda_ipc(tmp_path):
     four = torch.cuda.device_count() >= 4
     got = _bench(tmp_path, ["S1", "S3"] + (["S4", "S2"] if four else []))
     assert all(s["transport"] == "cuda_ipc" for s in got.values())
+
+
+@_needs(2)
+@pytest.mark.timeout(600)
+def test_cuda_ipc_buckets_as_cuda_graphs_bit_exact(tmp_path, monkeypatch):
+    """Every bucket's memcpys captured once as a CUDA graph and replayed each sync: plain and
+    strided 2-D regions (FSDP rows -> tensor-parallel columns) stay bit exact."""
+    monkeypatch.setenv("WEIGHTBUS_IPC_GRAPH_MEMCPYS", "1")  # the bench's processes inherit it
+    four = torch.cuda.device_count() >= 4
+    got = _bench(tmp_path, ["S1"] + (["S4"] if four else []))
+    assert all(s["transport"] == "cuda_ipc" for s in got.values())

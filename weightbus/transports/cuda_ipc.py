@@ -17,6 +17,10 @@ No staging buffer and no packing on either side, and no per-bucket handshake:
 3. the writer leaves its tensors untouched until every reader acknowledged the version, which
    readers do only once their copies ran.
 
+A bucket of many regions (``$WEIGHTBUS_IPC_GRAPH_MEMCPYS``, default 32, or more) has its
+memcpys captured once, at the first sync, as a CUDA graph on the source's GPU; each sync then
+queues them with one graph launch instead of one runtime call per region.
+
 A pull is done once its copies are queued; once the sync's last bucket is, the reader's
 current stream is made to wait for all of them, so work the caller queues on that stream
 afterwards (and ``synchronize``) sees the bytes.
@@ -41,6 +45,7 @@ queued in the order the reader posts them, except that a reader pulls what it re
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import msgpack
@@ -84,6 +89,10 @@ def _open(desc: list) -> torch.UntypedStorage:
 
 _Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, width, rows)
 _RELAY_CHUNKS = 32  # relay events per sync and hop (fewer with a small topic window)
+# a bucket with this many memcpys queues them as one CUDA graph (captured at the first sync):
+# one launch instead of a runtime call of a few microseconds per region
+_GRAPH_JOBS = int(os.environ.get("WEIGHTBUS_IPC_GRAPH_MEMCPYS", "32"))
+_GRAPH_FAILED: list[str] = []  # the first capture failure of this process (warned once)
 
 
 class _Source:
@@ -108,6 +117,7 @@ class _Bucket:
     to ``Tensor.copy_`` (casts, odd strides)."""
 
     __slots__ = (
+        "graph",
         "jobs",
         "landed",
         "nbytes",
@@ -128,6 +138,9 @@ class _Bucket:
         self.ready_index = -1  # which of the upstream's events that is
         self.position = 0  # where this reader queues it among its source's buckets
         self.landed: tuple[torch.cuda.Event, ...] = ()  # recorded after its copies, each sync
+        # its memcpys as one CUDA graph, captured at the first sync when it has many (None:
+        # not yet or too few; False: capture failed, the memcpys are queued one by one)
+        self.graph: torch.cuda.CUDAGraph | bool | None = None
         # ours to record after this bucket, (event, index), when it ends a relayed chunk
         self.relayed: tuple[torch.cuda.Event, int] | None = None
 
@@ -244,6 +257,7 @@ class CudaIpcTransport(Transport):
         self._buckets: dict[tuple[int, int], _Bucket] = {}  # (writer, tag) -> how to pull it
         self._topic = ""
         self._cudart: Cudart | None = None
+        self._graphs = 0  # buckets whose memcpys run as one CUDA graph
         # per sync, on a reader
         self._sync = 0
         self._pulled = 0
@@ -578,6 +592,12 @@ class CudaIpcTransport(Transport):
                 for z in dict.fromkeys((nxt.stream, nxt.side)):
                     z.wait_stream(a)
         if self._pulled == len(self._buckets):  # every bucket of this sync is queued
+            if self._sync == 0 and self._graphs:
+                logger.info(
+                    "weightbus cuda_ipc: %d of %d buckets run their memcpys as one CUDA graph",
+                    self._graphs,
+                    len(self._buckets),
+                )
             main = torch.cuda.current_stream(self._device)
             for src in self._order:
                 for z in dict.fromkeys((src.stream, src.side)):
@@ -623,10 +643,16 @@ class CudaIpcTransport(Transport):
             src.last_ready = b.ready
         if b.jobs:
             assert self._cudart is not None
-            stream = src.stream.cuda_stream
             with torch.cuda.device(src.device):
-                for job in b.jobs:
-                    self._cudart.copy(job, stream)
+                if b.graph is None and len(b.jobs) >= _GRAPH_JOBS:
+                    b.graph = self._capture(b)
+                if b.graph:
+                    with torch.cuda.stream(src.stream):
+                        b.graph.replay()
+                else:
+                    stream = src.stream.cuda_stream
+                    for job in b.jobs:
+                        self._cudart.copy(job, stream)
         if b.pairs:
             # torch runs a cross-GPU copy on the source GPU's current stream, fenced both ways
             # with the destination GPU's current stream
@@ -649,6 +675,34 @@ class CudaIpcTransport(Transport):
             self.control.post(f"{self._topic}/relayed/{self._sync}/{index}", {})
         self._pulled += 1
         self._completed(handle)
+
+    def _capture(self, b: _Bucket) -> torch.cuda.CUDAGraph | bool:
+        """``b``'s memcpys as one CUDA graph (on the source's GPU, the current device), so
+        a sync queues them with one launch instead of a runtime call each; False when the
+        capture fails (logged once; the memcpys are then queued one by one)."""
+        assert self._cudart is not None
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for job in b.jobs:
+                        self._cudart.copy(job, side.cuda_stream)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            if not _GRAPH_FAILED:
+                _GRAPH_FAILED.append(str(exc))
+                logger.warning(
+                    "weightbus cuda_ipc: capturing a bucket's %d memcpys as a CUDA graph "
+                    "failed (%s); queueing them one by one",
+                    len(b.jobs),
+                    exc,
+                )
+            return False
+        self._graphs += 1
+        return graph
 
     def landed(self, peer: Participant | str | int, tag: int) -> tuple[torch.cuda.Event, ...]:
         """Events that fire once bucket ``tag`` of writer ``peer`` is in this reader's tensors,
