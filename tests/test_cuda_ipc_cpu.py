@@ -142,7 +142,7 @@ def test_pulls_are_queued_source_by_source_in_issue_order(monkeypatch):
     t._buckets, t._order, t._counts = buckets, sources, counts
     t._stage_of = {src.name: i for i, src in enumerate(sources)}
     t._held, t._cursor, t._stage = [{} for _ in sources], [0] * 3, 0
-    t._pulled, t._sync, t._waited, t._device = 0, 0, set(), None
+    t._pulled, t._sync, t._waited, t._device, t._graphs = 0, 0, set(), None, 0
     main = _Stream("main")
     monkeypatch.setattr(cuda_ipc.torch.cuda, "current_stream", lambda device: main)
 
