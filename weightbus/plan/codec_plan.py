@@ -59,7 +59,7 @@ from weightbus.codecs.fp8 import (
     quantized_layout,
 )
 from weightbus.plan.planner import TransferPlan
-from weightbus.plan.program import BucketOp, build_program, direct_view, unpack
+from weightbus.plan.program import BucketCopier, BucketOp, build_program, direct_view
 from weightbus.spec import Layout, LayoutError
 
 logger = logging.getLogger(__name__)
@@ -364,6 +364,7 @@ class ReaderCodec:
         self.version: int | None = None
         """The version the live tensors hold."""
         self._syncing: int | None = None
+        self._copier = BucketCopier()  # dense buckets: one launch each on CUDA
 
     def capacity(self, op: BucketOp) -> int:
         """Staging bytes bucket ``op`` needs."""
@@ -394,7 +395,7 @@ class ReaderCodec:
     def unpack(self, op: BucketOp, buf: torch.Tensor) -> None:
         """Apply the received bucket at the start of ``buf`` to the live tensors."""
         if self.decoder is None:
-            unpack(op, self.tensors, buf[: op.nbytes])
+            self._copier.unpack(op, self.tensors, buf[: op.nbytes])
             return
         if self._syncing is None:
             raise RuntimeError(f"reader {self.name!r}: begin(version) before unpack")
