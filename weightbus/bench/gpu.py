@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -352,6 +353,22 @@ def _scenario_codecs(scenario: str, fp8_block: int = 128) -> dict:
     if scenario == "S7":
         return {"delta": DeltaConfig(checksum_every=0)}
     return {}
+
+
+def _fp8_fraction(model, block: int) -> float:
+    """The quantized tensors' bytes on the wire (e4m3 values and fp32 scales) over their bf16
+    bytes: what FP8 does to the tensors it applies to (the ignore list's stay bf16)."""
+    from weightbus.codecs import Fp8Config
+    from weightbus.codecs.fp8 import scale_shape
+
+    config = Fp8Config(block=block)
+    fp8 = bf16 = 0
+    for t in model.tensors:
+        if config.quantizes(t):
+            n = math.prod(t.shape)
+            fp8 += n + 4 * math.prod(scale_shape(t.shape, block))
+            bf16 += 2 * n
+    return fp8 / bf16 if bf16 else float("nan")
 
 
 def _change(canon: dict, step: int, fraction: float) -> None:
@@ -702,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["s1_nccl_median_s"] = round(medians.get("S1@nccl", float("nan")), 5)
             entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
         if sname == "S6":
+            entry["fp8_tensors_wire_fraction"] = round(_fp8_fraction(model, a.fp8_block), 4)
             r0 = res[("reader-0", 0)]
             entry["equal_to_quantization"] = r0["equal_to_quantization"]
             entry["error_over_fp8_bound"] = r0["error_over_bound"]
@@ -716,6 +734,13 @@ def main(argv: list[str] | None = None) -> int:
             f"(target {target:.3f}), bit exact {exact}",
             flush=True,
         )
+        if sname == "S6" and entry.get("wire_fraction_of_s1"):
+            print(
+                f"  S6: on the wire, the FP8 tensors take {entry['fp8_tensors_wire_fraction']:.2%} "
+                f"of their bf16 bytes, the whole model {entry['wire_fraction_of_s1']:.2%} (the "
+                "ignore list's tensors stay bf16)",
+                flush=True,
+            )
     del server
     # the commit measured: $WEIGHTBUS_COMMIT when set (a copy of the tree may sit inside an
     # unrelated or stale checkout), else git's answer
