@@ -1,8 +1,16 @@
-"""Sparse deltas: bit exact over many steps and across resharding, with casts and with FP8."""
+"""Sparse deltas: bit exact over many steps and across resharding, with casts and with FP8;
+the Triton kernels equal to the torch path in Triton's CPU interpreter (``pip install triton``;
+run directly with ``TRITON_INTERPRET=1 python -m pytest tests/test_codec_delta.py -k interp_``)."""
 
 from __future__ import annotations
 
 import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +27,17 @@ from tests.test_codec_fp8 import (
     tp_readers,
 )
 from weightbus.codecs.delta import (
+    _ENT,
+    _HEAD,
+    MAGIC,
+    SPARSE,
     DeltaConfig,
+    DeltaDecision,
+    DeltaDecoder,
+    DeltaEncoder,
     DeltaPolicy,
-    _units,
+    _TorchWindow,
+    capacity,
     checksum,
     directory_bytes,
     encoded_size,
@@ -30,6 +46,7 @@ from weightbus.codecs.fp8 import Fp8Config, scale_name
 from weightbus.errors import WeightbusError
 from weightbus.plan import PlanOptions, allocate, fill_from_canonical, make_plan, poison
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, WriterCodec, run_sync, wire_layout
+from weightbus.plan.program import BucketOp, Copy, pack
 from weightbus.spec import Box, LayoutBuilder, Participant
 
 # ---------------------------------------------------------------------------------------------
@@ -367,19 +384,7 @@ def test_encoded_size_is_read_from_the_directory():
         encoded_size(torch.zeros(directory_bytes(op), dtype=torch.uint8))
 
 
-def test_units_are_words_where_the_region_allows():
-    x = torch.zeros(6, 40, dtype=torch.bfloat16)
-    assert _units(x)[0] == 8 and _units(x)[1].shape == (6, 10)
-    assert _units(x[:, 4:12])[0] == 8  # rows of aligned words, strided
-    assert _units(x[:, 2:12])[0] == 4
-    assert _units(x[:, 1:12])[0] == 2  # odd start: elements
-    assert _units(x.t())[0] == 2  # transposed: elements
-    assert _units(torch.zeros(3, dtype=torch.float32))[0] == 4
-    assert _units(torch.zeros((), dtype=torch.float32))[0] == 4
-    assert _units(torch.zeros(5, dtype=torch.float8_e4m3fn).view(torch.uint8))[0] == 1
-
-
-def test_word_frames_land_in_strided_and_element_only_readers():
+def test_element_frames_land_in_strided_readers():
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=0))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
     g = torch.Generator().manual_seed(3)
@@ -390,10 +395,10 @@ def test_word_frames_land_in_strided_and_element_only_readers():
             fill_from_canonical(lay, canon, t)
         run_sync(plan, wcs, rcs, step)
     assert_exact(rs, got, canon)
-    # reader 1 holds a transposed tensor: the writer's 8-byte words arrive element by element
-    ratios = {ratio for _, _, ratio in rcs[1].decoder._targets.values()}
-    units = {u for (_, _, u) in rcs[1].decoder._targets}
-    assert 8 in units and 4 in units and max(ratios) == 4
+    # reader 1 holds a transposed tensor: element frames land through its strides
+    targets = rcs[1].decoder._targets
+    assert {u for (_, _, u) in targets} == {2}
+    assert any(flat is None for flat, _, _ in targets.values())
     # a live tensor whose storage the trainer replaced: the writer finds its regions again
     moved = live[0]["b.weight"]
     moved.data = moved.detach().clone()
@@ -402,6 +407,43 @@ def test_word_frames_land_in_strided_and_element_only_readers():
         fill_from_canonical(lay, canon, t)
     run_sync(plan, wcs, rcs, 3)
     assert_exact(rs, got, canon)
+
+
+def word_frame_bucket(old: torch.Tensor, new: torch.Tensor, version: int):
+    """A bucket of one bf16 route whose sparse frame has 8-byte units (4 elements each), as
+    a writer comparing words sends it: (its op, its bytes)."""
+    copy = Copy(
+        key="t", index=(slice(0, old.shape[0]), slice(0, old.shape[1])), shape=tuple(old.shape),
+        offset=0, nbytes=old.numel() * 2, dtype=torch.bfloat16, tensor="t.weight",
+    )  # fmt: skip
+    op = BucketOp(bucket=0, peer=0, peer_global=0, wave=0, nbytes=copy.nbytes, copies=(copy,))
+    a, b = old.contiguous().view(torch.int64).view(-1), new.contiguous().view(torch.int64).view(-1)
+    idx = (a != b).nonzero().view(-1)
+    n, head = len(idx), directory_bytes(op)
+    at = head + -(-n * 4 // 16) * 16
+    used = at + n * 8
+    buf = torch.zeros(capacity(op), dtype=torch.uint8)
+    meta = bytearray(head)
+    _HEAD.pack_into(meta, 0, MAGIC, 1, 0, 0, used, version, version - 1, 0)
+    _ENT.pack_into(meta, _HEAD.size, SPARSE, 2, 4, 8, 0, n)
+    buf[:head] = torch.frombuffer(meta, dtype=torch.uint8)
+    buf[head : head + n * 4] = idx.to(torch.int32).view(torch.uint8)
+    buf[at:used] = b[idx].view(torch.uint8)
+    return op, buf
+
+
+@pytest.mark.parametrize("target", ["contiguous", "transposed"])
+def test_readers_accept_frames_of_words(target, impl="torch"):
+    g = torch.Generator().manual_seed(6)
+    old = torch.randn(6, 40, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[torch.randperm(240, generator=g)[:9]] = -0.0
+    op, buf = word_frame_bucket(old, new, version=2)
+    t = old.clone() if target == "contiguous" else old.t().contiguous().t()
+    dec = DeltaDecoder([op], {"t": t}, impl=impl)
+    assert encoded_size(buf[: directory_bytes(op)]) < op.nbytes
+    dec.decode(op, buf, version=2, held=1)
+    assert torch.equal(t.view(torch.int16), new.view(torch.int16))
 
 
 class _OpCounter(TorchDispatchMode):
@@ -493,3 +535,370 @@ def test_checksum_is_position_dependent():
     tail[-1] ^= 1
     assert checksum(tail) != base
     assert checksum(data[1:]) != base
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton kernels against the torch path: in Triton's CPU interpreter here (a child pytest,
+# since the interpreter must be on before triton is first imported), on CUDA in
+# test_delta_gpu.py
+# ---------------------------------------------------------------------------------------------
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(
+    not INTERPRETER, reason="runs under TRITON_INTERPRET=1 (test_triton_kernels_in_the_interpreter)"
+)
+
+# writer tensors of every element size, contiguous, transposed, 3-D and 4-D
+WRITER_TENSORS = {
+    "w16": lambda g: torch.randn(40, 70, generator=g).to(torch.bfloat16),
+    "wt": lambda g: torch.randn(50, 30, generator=g).t(),
+    "w3": lambda g: torch.randn(3, 9, 33, generator=g).to(torch.bfloat16),
+    "w8": lambda g: torch.randint(0, 256, (64, 40), dtype=torch.uint8, generator=g),
+    "w64": lambda g: torch.randn(20, 12, dtype=torch.float64, generator=g),
+    "w4d": lambda g: torch.randn(2, 3, 5, 7, generator=g).to(torch.float16),
+    "wr": lambda g: torch.randn(6, 300, generator=g).to(torch.bfloat16),
+}
+
+
+def _box(shape, g, empty: bool) -> tuple[slice, ...]:
+    out = []
+    for n in shape:
+        a = int(torch.randint(0, n, (1,), generator=g))
+        b = int(torch.randint(a + 1, n + 1, (1,), generator=g))
+        out.append(slice(a, b))
+    if empty:
+        out[0] = slice(out[0].start, out[0].start)
+    return tuple(out)
+
+
+def _target(shape, dtype, g, device) -> torch.Tensor:
+    """A reader's live region of ``shape``: contiguous, inside a larger tensor, or transposed."""
+    kind = int(torch.randint(0, 3, (1,), generator=g))
+    if kind == 0 or not shape:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if kind == 1:
+        t = torch.empty([n + 2 for n in shape], dtype=dtype, device=device)
+        return t[tuple(slice(1, 1 + n) for n in shape)]
+    t = torch.empty(tuple(reversed(shape)), dtype=dtype, device=device)
+    return t.permute(*reversed(range(len(shape))))
+
+
+class RandomRoutes:
+    """Buckets of random routes between random writer regions and reader regions, for two
+    readers (peers 0 and 1); some buckets are computed (filled), not live views."""
+
+    def __init__(self, seed: int, n_buckets: int = 9, device: str = "cpu") -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.g = g
+        self.writer = {k: make(g).to(device) for k, make in WRITER_TENSORS.items()}
+        self.w_ops, self.r_ops, self.targets = [], [], {}
+        for b in range(n_buckets):
+            copies, rcopies, at = [], [], 0
+            for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+                key = list(self.writer)[int(torch.randint(0, len(self.writer), (1,), generator=g))]
+                t = self.writer[key]
+                empty = bool(torch.rand(1, generator=g) < 0.1)
+                index = _box(t.shape, g, empty)
+                region = t[index]
+                n = region.numel() * region.element_size()
+                name = f"r{len(self.targets)}"
+                self.targets[name] = (tuple(region.shape), region.dtype)
+                common = dict(shape=tuple(region.shape), offset=at, nbytes=n, dtype=region.dtype)
+                copies.append(Copy(key=key, index=index, tensor=name, **common))
+                full = tuple(slice(0, k) for k in region.shape)
+                rcopies.append(Copy(key=name, index=full, tensor=name, **common))
+                at += -(-n // 256) * 256
+            peer = b % 2
+            op = dict(bucket=b, wave=0, nbytes=max(at, 256))
+            self.w_ops.append(BucketOp(peer=peer, peer_global=2 + peer, copies=tuple(copies), **op))
+            self.r_ops.append(BucketOp(peer=0, peer_global=0, copies=tuple(rcopies), **op))
+        self.filled = {op.bucket for op in self.w_ops if op.bucket % 3 == 2}
+        self._views = {
+            op.bucket: tuple(self.writer[c.key][c.index] for c in op.copies) for op in self.w_ops
+        }
+        self.device = device
+
+    def reader_tensors(self, seed: int) -> dict[str, torch.Tensor]:
+        """Fresh, poisoned live regions for the routes (the same strides for the same seed)."""
+        g = torch.Generator().manual_seed(seed)
+        out = {k: _target(shape, dt, g, self.device) for k, (shape, dt) in self.targets.items()}
+        for t in out.values():
+            poison(t)
+        return out
+
+    def fill(self, op: BucketOp, out: torch.Tensor) -> None:
+        pack(op, self.writer, out)
+
+    def views(self, op: BucketOp):
+        return None if op.bucket in self.filled else self._views[op.bucket]
+
+    def change(self, fraction: float) -> None:
+        """Change ``fraction`` of every writer tensor's elements: new values, NaN payloads,
+        signed zeros."""
+        for t in self.writer.values():
+            bits = t.view(_bits_dtype(t))
+            flat = bits.reshape(-1) if bits.is_contiguous() else None
+            n = int(fraction * t.numel())
+            if not n:
+                continue
+            idx = torch.randperm(t.numel(), generator=self.g)[:n]
+            vals = torch.randint(-(2**15), 2**15, (n,), generator=self.g).to(bits.dtype)
+            if t.is_floating_point():
+                vals[::7] = 0  # +0.0 where -0.0 may have been, and the reverse below
+                vals[1::7] = torch.tensor(-0.0, dtype=t.dtype).view(bits.dtype)
+            if flat is None:
+                tmp = bits.contiguous()
+                tmp.view(-1)[idx.to(tmp.device)] = vals.to(tmp.device)
+                bits.copy_(tmp)
+            else:
+                flat[idx.to(flat.device)] = vals.to(flat.device)
+
+    def assert_readers_hold(self, tensors: dict, peers=(0, 1)) -> None:
+        for wop, rop in zip(self.w_ops, self.r_ops, strict=True):
+            if wop.peer not in peers:
+                continue
+            for wc, rc in zip(wop.copies, rop.copies, strict=True):
+                want = self.writer[wc.key][wc.index]
+                have = tensors[rc.key]
+                assert torch.equal(have.view(_bits_dtype(have)), want.view(_bits_dtype(want))), (
+                    wop.bucket,
+                    wc.key,
+                    wc.index,
+                )
+
+
+def _bits_dtype(t: torch.Tensor) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def kernels_equal_torch(
+    seed: int, device: str, window: int, host_copy: bool, shadow: str = "device"
+) -> None:
+    """The same syncs through the torch path and the Triton path: every encoded bucket equal
+    byte for byte, the shadows equal, both readers bit exact after every sync. ``host_copy``:
+    compare through a copy of the shadow per window, as a GPU writer with a host shadow does."""
+    rr = RandomRoutes(seed, device=device)
+    cfg = DeltaConfig(window_bytes=window, shadow=shadow)
+    enc = {
+        impl: DeltaEncoder(
+            rr.w_ops, cfg, fill=rr.fill, views=rr.views, device=device, impl=impl, name=impl
+        )
+        for impl in ("torch", "triton")
+    }
+    assert len(enc["triton"]._windows) > 1 or window > 1 << 20
+    assert not any(isinstance(lay.table, _TorchWindow) for lay in enc["triton"]._layouts)
+    if host_copy:
+        for e in enc.values():
+            e._local = False  # a GPU writer's host shadow: compared through a copy per window
+    tensors = {impl: rr.reader_tensors(seed) for impl in enc}
+    dec = {impl: DeltaDecoder(rr.r_ops, tensors[impl], impl, impl=impl) for impl in enc}
+    assert dec["triton"]._table is not None and dec["torch"]._table is None
+    held: list[int | None] = [None, None]
+    # changed fraction, readers sent dense (the first sync: both)
+    steps = [(1, None), (0.01, None), (0.0, None), (0.5, {1}), (1.0, None)]
+    for v, (fraction, dense) in enumerate(steps, start=1):
+        if fraction:
+            rr.change(fraction)
+        dense = {0, 1} if v == 1 else (dense or set())
+        decision = DeltaDecision(
+            version=v,
+            dense=frozenset(dense),
+            base=tuple(None if p in dense else held[p] for p in (0, 1)),
+            checksum=v % 3 == 0,
+        )
+        for e in enc.values():
+            e.begin(decision)
+        for wop, rop in zip(rr.w_ops, rr.r_ops, strict=True):
+            bufs = {}
+            for impl, e in enc.items():
+                buf = torch.randint(0, 256, (capacity(wop),), dtype=torch.uint8, device=device)
+                bufs[impl] = (buf, e.encode(wop, buf))
+            (a, na), (b, nb) = bufs["torch"], bufs["triton"]
+            assert na == nb and torch.equal(a[:na], b[:nb]), (v, wop.bucket)
+            for impl, (buf, _) in bufs.items():
+                dec[impl].decode(rop, buf, version=v, held=held[wop.peer])
+        for e in enc.values():
+            e.end()
+        held = [v, v]
+        assert torch.equal(enc["torch"].shadow, enc["triton"].shadow)
+        for impl in enc:
+            rr.assert_readers_hold(tensors[impl])
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "seed,window,host_copy,wide",
+    [(0, 1500, False, False), (1, 4000, True, True)],
+)
+def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, monkeypatch):
+    from weightbus.codecs import _delta_triton, delta
+
+    # small tiles: routes of many tiles, rows split in tiles, all three addressing modes
+    monkeypatch.setattr(_delta_triton, "BLOCK", 128)
+    if wide:  # 8-byte indices from 300 elements up, as for routes of 2**31 elements or more
+        monkeypatch.setattr(delta, "_WIDE", 300)
+    kernels_equal_torch(seed, "cpu", window, host_copy)
+
+
+@interpreted
+def test_interp_addressing_modes():
+    from weightbus.codecs._delta_triton import CONTIG, FLAT, ROWS, region_mode
+
+    x = torch.zeros(4, 6, 100)
+    assert region_mode(x, 64) == CONTIG and region_mode(x[1:3], 64) == CONTIG
+    assert region_mode(x[:, :, 10:90], 64) == ROWS and region_mode(x[:, 1:3, :20], 64) == FLAT
+    assert region_mode(x.permute(2, 0, 1), 64) == FLAT
+    assert region_mode(torch.zeros(()), 64) == CONTIG
+    assert region_mode(torch.zeros(3, 3, 3, 3, 5)[:2, :2, :2, :2, :4], 64) is None
+
+
+@interpreted
+def test_interp_resharding_syncs_are_bit_exact_and_equal_the_torch_path():
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=3, window_bytes=6000))
+    runs = {}
+    for impl in ("torch", "triton"):
+        plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+        for w in wcs:
+            e = w.encoder
+            w.encoder = DeltaEncoder(
+                w.ops, codecs.delta, fill=e._fill, views=e._views, name=w.name, impl=impl
+            )
+        for r in rcs:
+            r.decoder = DeltaDecoder(r.ops, r.tensors, r.name, impl=impl)
+        runs[impl] = (plan, ws, rs, canon, live, got, wcs, rcs, [])
+    # dense, 1%, 50% (dense frames) that reader 1 misses, 1% (dense to reader 1)
+    for step in range(1, 5):
+        fraction = {1: 0.0, 3: 0.5}.get(step, 0.01)
+        absent = {1} if step == 3 else set()
+        for plan, ws, rs, canon, live, got, wcs, rcs, moved in runs.values():
+            if fraction:
+                change(canon, torch.Generator().manual_seed(step), fraction)
+            for lay, t in zip(ws, live, strict=True):
+                fill_from_canonical(lay, canon, t)
+            moved.append(run_sync(plan, wcs, rcs, step, absent=absent))
+            assert_exact(rs, got, canon, skip=absent)
+    assert runs["torch"][-1] == runs["triton"][-1]
+
+
+@pytest.mark.skipif(INTERPRETER, reason="already in the interpreter")
+@pytest.mark.timeout(300)
+def test_triton_kernels_in_the_interpreter():
+    """This module's ``test_interp_*`` tests in a child pytest under TRITON_INTERPRET=1."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        __file__,
+        "-k",
+        "interp_",
+    ]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-8000:]
+    summary = out.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, out[-3000:]
+
+
+class _CountedKernel:
+    """A kernel whose launches are counted, and whose torch ops inside the interpreter (its
+    handling of tensor arguments) are left out of the op counter that is active."""
+
+    def __init__(self, kernel, name: str, log: dict) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            counter = self.log["counter"]
+            before = sum(counter.ops.values()) if counter else 0
+            self.kernel[grid](*args, **kwargs)
+            if counter:
+                self.log["inside"][counter] += sum(counter.ops.values()) - before
+                self.log["launches"][self.name] += 1
+
+        return launch
+
+
+@interpreted
+def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
+    """On the Triton path a 1% sync costs a few torch ops per bucket and a few launches per
+    window (writer) or one per bucket (reader), however many routes a bucket holds."""
+    from weightbus.codecs import _delta_triton
+    from weightbus.layouts.describe import build_layouts
+    from weightbus.layouts.families import model_spec
+
+    log = {"counter": None, "inside": collections.Counter(), "launches": collections.Counter()}
+    for name in ("_compare_kernel", "_emit_kernel", "_apply_kernel"):
+        kernel = _CountedKernel(getattr(_delta_triton, name), name, log)
+        monkeypatch.setattr(_delta_triton, name, kernel)
+    config = {
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    }
+    model = model_spec(config, dtype="bfloat16")
+    w = build_layouts(model, "whole", "writer")[0]
+    r = build_layouts(model, "vllm:tp=1", "reader")[0]
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=64 << 10))
+    plan = make_plan([w], [r], PlanOptions(bucket_bytes=48 << 10, direct_bytes=0))
+    live, got = allocate(w), allocate(r)
+    g = torch.Generator().manual_seed(0)
+    for t in live.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    wc, rc = WriterCodec(plan, 0, live, codecs), ReaderCodec(plan, 0, got, codecs)
+    e = wc.encoder
+    wc.encoder = DeltaEncoder(wc.ops, codecs.delta, fill=e._fill, views=e._views, impl="triton")
+    rc.decoder = DeltaDecoder(rc.ops, rc.tensors, impl="triton")
+    run_sync(plan, [wc], [rc], 1)
+    for t in live.values():
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 100]
+        flat[idx] = torch.randn(len(idx), generator=g).to(t.dtype)
+    wc.begin(2)
+    rc.begin(2)
+    writer, reader = _OpCounter(), _OpCounter()
+    for op, rop in zip(wc.ops, rc.ops, strict=True):
+        buf = torch.zeros(wc.capacity(op), dtype=torch.uint8)
+        with writer:
+            log["counter"] = writer
+            wc.pack(op, buf)
+        with reader:
+            log["counter"] = reader
+            rc.encoded_size(rop, buf)
+            rc.unpack(rop, buf)
+        log["counter"] = None
+    wc.end()
+    rc.end(2)
+    buckets, windows = len(wc.ops), len(wc.encoder._windows)
+    routes = sum(len(op.copies) for op in wc.ops)
+    assert routes >= 8 * buckets and buckets > windows > 1
+    groups = sum(len(lay.table.groups) for lay in wc.encoder._layouts)
+    assert log["launches"] == {
+        "_compare_kernel": groups,
+        "_emit_kernel": groups,
+        "_apply_kernel": buckets,
+    }
+    w_ops = sum(writer.ops.values()) - log["inside"][writer]
+    r_ops = sum(reader.ops.values()) - log["inside"][reader]
+    assert w_ops <= 8 * buckets + 12 * windows, writer.ops
+    assert r_ops <= 4 * buckets, reader.ops
+    for per_route in ("ne", "nonzero", "index_put_", "take", "_local_scalar_dense"):
+        assert per_route not in writer.ops and per_route not in reader.ops
+    # each route's count: a cumsum over the tiles, read at the routes' ends, once per window
+    assert writer.ops["cumsum"] == writer.ops["index_select"] == windows
+    canon = {p.tensor: live[p.key] for p in w.iter_pieces()}  # the writer holds them whole
+    want = allocate(r)
+    fill_from_canonical(r, canon, want)
+    for k, t in want.items():
+        assert torch.equal(got[k].view(torch.int16), t.view(torch.int16)), k

@@ -1,0 +1,258 @@
+"""Sparse deltas on CUDA: the Triton kernels equal the torch path byte for byte, syncs are bit
+exact across resharding, and a Writer/Reader pair over NCCL between two GPUs uses them.
+
+The same kernels run on CPU in Triton's interpreter in ``tests/test_codec_delta.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+import zlib
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_codec_delta import (
+    TENSORS,
+    assert_exact,
+    change,
+    kernels_equal_torch,
+    readers,
+    writers,
+)
+from weightbus.codecs.delta import (
+    DeltaConfig,
+    DeltaDecision,
+    DeltaDecoder,
+    DeltaEncoder,
+    capacity,
+)
+from weightbus.plan import PlanOptions, allocate, fill_from_canonical, make_plan, poison
+from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, WriterCodec, run_sync
+from weightbus.plan.program import BucketOp, Copy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+
+@pytest.mark.parametrize("block", [2048, 128])
+@pytest.mark.parametrize(
+    "seed,window,shadow", [(0, 1500, "device"), (1, 4000, "host"), (2, 1 << 30, "device")]
+)
+def test_kernels_equal_the_torch_path(seed, window, shadow, block, monkeypatch):
+    from weightbus.codecs import _delta_triton
+
+    assert not _delta_triton.INTERPRETED
+    monkeypatch.setattr(_delta_triton, "BLOCK", block)
+    kernels_equal_torch(seed, "cuda", window, host_copy=False, shadow=shadow)
+
+
+def _start_on_cuda(codecs, bucket_bytes=2048):
+    ws, rs = writers(), readers()
+    plan = make_plan(
+        ws, rs, PlanOptions(bucket_bytes=bucket_bytes, direct_bytes=0, cast={"float32": "bfloat16"})
+    )
+    g = torch.Generator().manual_seed(0)
+    canon = {
+        t: torch.randn(shape, generator=g).to(getattr(torch, dt))
+        for t, (shape, dt) in TENSORS.items()
+    }
+    live = [allocate(w, device="cuda") for w in ws]
+    got = []
+    for r in rs:
+        t = allocate(r, device="cuda")
+        if r.rank == 1:  # a transposed engine tensor: every region of it is strided
+            a = torch.empty(44, 90, dtype=torch.bfloat16, device="cuda").t()
+            poison(a)
+            t["a"] = a
+        got.append(t)
+    wcs = [WriterCodec(plan, i, live[i], codecs) for i in range(len(ws))]
+    rcs = [ReaderCodec(plan, i, got[i], codecs) for i in range(len(rs))]
+    return plan, ws, rs, canon, live, got, wcs, rcs
+
+
+@pytest.mark.parametrize("shadow", ["device", "host"])
+def test_resharding_syncs_are_bit_exact(shadow):
+    """2 writers -> 3 readers with other cuts, a cast, a transposed reader tensor: 30 syncs
+    through the kernels (the writers' casts make their buckets computed, into scratch)."""
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=4, shadow=shadow, window_bytes=3000))
+    plan, ws, rs, canon, live, got, wcs, rcs = _start_on_cuda(codecs)
+    from weightbus.codecs._delta_triton import TargetTable, WindowTable
+
+    assert all(isinstance(lay.table, WindowTable) for w in wcs for lay in w.encoder._layouts)
+    assert all(isinstance(r.decoder._table, TargetTable) for r in rcs)
+    dense_bytes = plan.stats.total_bytes
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 31):
+        absent = {1} if step == 12 else set()
+        if step > 1:
+            change(canon, g, 0.5 if step % 7 == 0 else 0.01)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, {k: v.cuda() for k, v in canon.items()}, t)
+        moved = run_sync(plan, wcs, rcs, step, absent=absent)
+        cpu = [{k: v.cpu() for k, v in t.items()} for t in got]
+        assert_exact(rs, cpu, canon, skip=absent)
+        if step > 1 and step % 7 and step != 13:
+            assert moved < 0.2 * dense_bytes, (step, moved, dense_bytes)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.mem_get_info()[0] < 24 << 30,
+    reason="needs 24 GiB of free GPU memory",
+)
+def test_a_route_of_more_than_2_31_elements_takes_8_byte_indices():
+    n = (1 << 31) + 4099
+    x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    copy = Copy(
+        key="x", index=(slice(0, n),), shape=(n,), offset=0, nbytes=n, dtype=torch.uint8,
+        tensor="x",
+    )  # fmt: skip
+    op = BucketOp(bucket=0, peer=0, peer_global=1, wave=0, nbytes=n, copies=(copy,))
+    views = (x,)
+    enc = DeltaEncoder(
+        [op], DeltaConfig(), fill=lambda op, out: None, views=lambda op: views, device="cuda"
+    )
+    target = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    dec = DeltaDecoder([op], {"x": target})
+    buf = torch.empty(capacity(op), dtype=torch.uint8, device="cuda")
+    for v, changed in ((1, None), (2, [5, (1 << 31) + 7, n - 1])):
+        if changed:
+            x[torch.tensor(changed, device="cuda")] = 9
+        dense = frozenset({0}) if v == 1 else frozenset()
+        enc.begin(
+            DeltaDecision(version=v, dense=dense, base=(None if dense else 1,), checksum=False)
+        )
+        used = enc.encode(op, buf)
+        enc.end()
+        dec.decode(op, buf, version=v, held=None if v == 1 else 1)
+    assert used < 4096  # three 8-byte indices and values
+    assert torch.equal(target, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# one writer GPU -> one reader GPU over NCCL, through the session API
+# ---------------------------------------------------------------------------------------------
+
+STEPS = 6
+
+
+def _canon(model, version: int, device) -> dict[str, torch.Tensor]:
+    """The canonical weights after ``version`` steps of about 1% changed elements (the same
+    in every process)."""
+    out = {}
+    for t in model.tensors:
+        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
+        x = torch.randn(t.shape, generator=g).to(torch.bfloat16)
+        for v in range(2, version + 1):
+            gv = torch.Generator().manual_seed(zlib.crc32(t.name.encode()) + 7919 * v)
+            flat = x.view(-1)
+            idx = torch.randperm(flat.numel(), generator=gv)[: max(1, flat.numel() // 100)]
+            flat[idx] = torch.randn(len(idx), generator=gv).to(torch.bfloat16)
+        out[t.name] = x.to(device)
+    return out
+
+
+def _participant(role: str, port: int, q) -> None:
+    try:
+        from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
+        from weightbus.codecs import _delta_triton
+        from weightbus.layouts.describe import build_layouts
+        from weightbus.layouts.families import model_spec
+
+        gpu = 0 if role == "writer" else 1
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+        model = model_spec("tiny-llama", dtype="bfloat16")
+        layout = build_layouts(model, "whole" if role == "writer" else "vllm:tp=1", role)[0]
+        me = Participant(role=role, rank=0, host=socket.gethostname(), device=str(device))
+        layout = dataclasses.replace(layout, participant=me, _memo={})
+        tensors = allocate(layout, device=device)
+        control = ControlConfig(
+            num_writers=1,
+            num_readers=1,
+            address=f"127.0.0.1:{port}",
+            host_store=False,
+            job="delta-gpu",
+            timeout=timedelta(seconds=120),
+        )
+        sync = SyncConfig(
+            bucket_bytes=1 << 20,
+            direct_bytes=0,
+            transport="nccl",
+            delta=DeltaConfig(checksum_every=3),
+            sync_timeout=timedelta(seconds=60),
+            step_timeout=timedelta(seconds=120),
+        )
+        bound = BoundLayout(layout=layout, tensors=tensors)
+        side = Writer(bound, control, sync) if role == "writer" else Reader(bound, control, sync)
+        side.connect()
+        if role == "writer":
+            tables = {type(lay.table) for lay in side.codec.encoder._layouts}
+            used = tables == {_delta_triton.WindowTable}
+        else:
+            used = isinstance(side.codec.decoder._table, _delta_triton.TargetTable)
+        sizes, bad = [], []
+        for v in range(1, STEPS + 1):
+            canon = _canon(model, v, device)
+            if role == "writer":
+                fill_from_canonical(layout, canon, tensors)
+                torch.cuda.synchronize()
+                sizes.append(side.sync(v).bytes)
+                continue
+            sizes.append(side.wait().bytes)
+            want = allocate(layout, device=device)
+            fill_from_canonical(layout, canon, want)
+            for k, t in want.items():
+                if not torch.equal(tensors[k].view(torch.int16), t.view(torch.int16)):
+                    bad.append((v, k))
+        side.close()
+        q.put((role, "ok" if used and not bad else "wrong", (used, sizes, bad[:5])))
+    except BaseException as exc:
+        q.put((role, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_session_sync_over_nccl_uses_the_kernels():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_participant, args=(r, store.port, q)) for r in ("writer", "reader")
+    ]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + 240
+    try:
+        while len(results) < 2 and time.monotonic() < deadline:
+            try:
+                role, status, payload = q.get(timeout=0.5)
+                results[role] = (status, payload)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert set(results) == {"writer", "reader"}, results
+    assert all(status == "ok" for status, _ in results.values()), results
+    _, sizes_w, _ = results["writer"][1]
+    _, sizes_r, _ = results["reader"][1]
+    assert sizes_w == sizes_r
+    # the first sync is dense; then an index and a value per changed element
+    assert max(sizes_r[1:]) < 0.1 * sizes_r[0], sizes_r

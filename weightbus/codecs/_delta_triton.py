@@ -1,0 +1,465 @@
+"""Triton kernels of the sparse-delta codec (imported only where Triton is, for CUDA tensors).
+
+They do what :mod:`weightbus.codecs.delta` specifies with a fixed number of launches whatever
+the number of routes: tables built once at connect hold every route's addresses, strides and
+tiles (``BLOCK`` elements of one route each), and a launch covers every route of one element
+size and addressing mode. The tables hold raw addresses: the regions they were built from must
+stay in place (their owners keep them alive). The encoder builds its tables again when the live
+views change (a trainer tensor whose storage was replaced); a reader's live tensors are
+updated in place and never move.
+
+Writer, per window (:class:`WindowTable`):
+
+1. compare: per tile, the raw bits of the new values against the shadow's (integers of the
+   element's width, so NaN payloads and ``-0.0`` compare exactly), the count of changed
+   elements and a bitmask of them;
+2. a cumsum over the tiles' counts and one small device-to-host copy: each route's count;
+3. emit, after the host chose each route's frame (a plan row per route): the changed elements'
+   indices and values into the route's sparse frame, or all its values into a dense frame, and
+   in every case the changed elements into the shadow (the shadow then equals the new values).
+
+A window whose readers all get dense bytes needs no counts: one pass writes the changed
+elements into the shadow.
+
+Reader, per bucket (:class:`TargetTable`): one launch per element size and addressing mode
+writes every dense frame and scatters every sparse frame of the bucket into the live regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+"""Elements per tile (one program)."""
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether these kernels run in Triton's CPU interpreter (tests), taking CPU tensors."""
+
+# addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
+# least half a tile); tiles over its flat element order (narrow rows, any strides)
+CONTIG, ROWS, FLAT = 0, 1, 2
+
+# writer route row (int64): new values' address (or offset in the window's scratch), 1 if
+# in scratch, shadow offset (bytes, in the window's shadow bytes), first tile, elements, tiles
+# per row, slot (the route's index in the window), 0; then its dims from the last:
+# n3, s3, n2, s2, n1, s1, s0, 0 (elements; leading dims padded with extent 1)
+_WF = 16
+_RF: tl.constexpr = tl.constexpr(_WF)
+# reader target row (int64): address, then dims as above
+_TFH = 8
+_TF: tl.constexpr = tl.constexpr(_TFH)
+# reader entry (int64): first tile, target row, values offset (bytes in the bucket), indices
+# offset (sparse), elements to write, index size (sparse), log2 elements per unit, sparse
+_EFH = 8
+_EF: tl.constexpr = tl.constexpr(_EFH)
+# a writer plan row (int64), made by the encoder: kind (0: only bring the shadow up to date,
+# 1: sparse frame, 2: dense frame), frame offset (bytes in the store), values offset, index size
+# elements compared and copied as integers of their width: raw bits
+_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@triton.jit
+def _lead(dims, rr):
+    """Element offset of row ``rr`` of a region (its leading dims n0 x n1 x n2, flattened)."""
+    n2 = tl.load(dims + 2)
+    n1 = tl.load(dims + 4)
+    c2 = rr % n2
+    rr = rr // n2
+    c1 = rr % n1
+    c0 = rr // n1
+    return c2 * tl.load(dims + 3) + c1 * tl.load(dims + 5) + c0 * tl.load(dims + 6)
+
+
+@triton.jit
+def _flat(dims, t):
+    """Element offsets of the flat (row-major) element indices ``t`` of a strided region."""
+    n3 = tl.load(dims)
+    rr = t // n3
+    return (t - rr * n3) * tl.load(dims + 1) + _lead(dims, rr)
+
+
+@triton.jit
+def _tile(tiles_ptr, routes_ptr, g, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``g`` of a window: its route's row, its elements' flat indices in the route (which
+    are also their places in the shadow), which are in the route, and their offsets in the new
+    values' region (elements)."""
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    t = g - tl.load(row + 3)
+    j = tl.arange(0, BLOCK)
+    dims = row + 8
+    if MODE == 0:
+        u = t * BLOCK + j
+        valid = u < tl.load(row + 4)
+        off = u
+    elif MODE == 1:
+        tpr = tl.load(row + 5)
+        ncols = tl.load(dims)
+        rr = t // tpr
+        c = (t - rr * tpr) * BLOCK + j
+        valid = c < ncols
+        u = rr * ncols + c
+        off = c * tl.load(dims + 1) + _lead(dims, rr)
+    else:
+        u = t * BLOCK + j
+        valid = u < tl.load(row + 4)
+        off = _flat(dims, u)
+    return row, u, valid, off
+
+
+# tile and entry offsets vary per launch: one compiled kernel for all of them
+@triton.jit(do_not_specialize=["first"])
+def _compare_kernel(
+    tiles_ptr,
+    routes_ptr,
+    work_ptr,
+    scratch_ptr,
+    counts_ptr,
+    bits_ptr,
+    first,
+    T: tl.constexpr,
+    MODE: tl.constexpr,
+    UPDATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    g = first + tl.program_id(0).to(tl.int64)
+    row, u, valid, off = _tile(tiles_ptr, routes_ptr, g, MODE, BLOCK)
+    # elements as integers of their width (T): raw bits
+    old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
+    # the new values: a live region, or their place in the window's scratch
+    new_at = tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)
+    new = tl.load(new_at.to(tl.pointer_type(T)) + off, mask=valid, other=0)
+    old = tl.load(old_ptr + u, mask=valid, other=0)
+    changed = valid & (new != old)
+    if UPDATE:
+        tl.store(old_ptr + u, new, mask=changed)
+    else:
+        c = changed.to(tl.int32)
+        tl.store(counts_ptr + g + 1, tl.sum(c, axis=0))
+        tl.store(counts_ptr + g * 0, 0, mask=g == 0)
+        # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
+        shifted = tl.reshape(c, [BLOCK // 32, 32]) << tl.arange(0, 32)[None, :]
+        words = tl.sum(shifted, axis=1)
+        tl.store(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32), words)
+
+
+@triton.jit(do_not_specialize=["first"])
+def _emit_kernel(
+    tiles_ptr,
+    routes_ptr,
+    work_ptr,
+    scratch_ptr,
+    cum_ptr,
+    bits_ptr,
+    plan_ptr,
+    store_ptr,
+    first,
+    T: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    g = first + tl.program_id(0).to(tl.int64)
+    row, u, valid, off = _tile(tiles_ptr, routes_ptr, g, MODE, BLOCK)
+    words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32))
+    c = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, [BLOCK])
+    changed = c != 0
+    p = plan_ptr + tl.load(row + 6) * 4
+    kind = tl.load(p)
+    at = tl.load(p + 1)
+    # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
+    dense = tl.where(kind == 2, valid, False)
+    new_at = tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)
+    new = tl.load(new_at.to(tl.pointer_type(T)) + off, mask=changed | dense, other=0)
+    old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
+    tl.store(old_ptr + u, new, mask=changed)
+    tl.store((store_ptr + at).to(tl.pointer_type(T)) + u, new, mask=dense)
+    # sparse: the k-th changed element of the route goes to place k of its frame
+    sparse = tl.where(kind == 1, changed, False)
+    ix = tl.load(p + 3)
+    pos = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3)) + (tl.cumsum(c, axis=0) - c)
+    tl.store((store_ptr + tl.load(p + 2)).to(tl.pointer_type(T)) + pos, new, mask=sparse)
+    index_at = store_ptr + at
+    i4 = tl.where(ix == 4, sparse, False)
+    tl.store(index_at.to(tl.pointer_type(tl.int32)) + pos, u.to(tl.int32), mask=i4)
+    i8 = tl.where(ix == 8, sparse, False)
+    tl.store(index_at.to(tl.pointer_type(tl.int64)) + pos, u, mask=i8)
+
+
+@triton.jit(do_not_specialize=["n", "steps"])
+def _apply_kernel(
+    entries_ptr,
+    n,
+    steps,
+    targets_ptr,
+    buf_ptr,
+    T: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    # this program's entry: the last one whose first tile is <= pid (entries sorted by it)
+    lo = pid * 0
+    hi = lo + n
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        ok = tl.load(entries_ptr + mid * _EF) <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    e = entries_ptr + lo * _EF
+    k = (pid - tl.load(e)) * BLOCK + tl.arange(0, BLOCK)
+    valid = k < tl.load(e + 4)
+    sparse = tl.load(e + 7) != 0
+    ix = tl.load(e + 5)
+    lr = tl.load(e + 6)
+    # sparse: value k belongs to unit k >> lr, whose first element is that unit's index << lr
+    unit = k >> lr
+    at = buf_ptr + tl.load(e + 3)
+    # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
+    m4 = tl.where(sparse & (ix == 4), valid, False)
+    i4 = tl.load(at.to(tl.pointer_type(tl.int32)) + unit, mask=m4, other=0)
+    m8 = tl.where(sparse & (ix == 8), valid, False)
+    i8 = tl.load(at.to(tl.pointer_type(tl.int64)) + unit, mask=m8, other=0)
+    t = tl.where(sparse, ((i4.to(tl.int64) + i8) << lr) + (k - (unit << lr)), k)
+    vals = tl.load((buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + k, mask=valid)
+    row = targets_ptr + tl.load(e + 1) * _TF
+    if CONTIGUOUS:
+        off = t
+    else:
+        off = _flat(row + 1, t)
+    tl.store(tl.load(row).to(tl.pointer_type(T)) + off, vals, mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side: tables built at connect, launches
+# ---------------------------------------------------------------------------------------------
+
+
+def _collapse(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
+    """A region's dims as (extent, stride) with extent-1 dims dropped and dims that continue
+    each other merged, outermost first: a contiguous region is one dim of stride 1."""
+    out: list[tuple[int, int]] = []
+    for n, s in zip(shape, strides, strict=True):
+        if n == 1:
+            continue
+        if out and out[-1][1] == s * n:
+            out[-1] = (out[-1][0] * n, s)
+        else:
+            out.append((n, s))
+    return out or [(1, 1)]
+
+
+def _dims_row(dims: list[tuple[int, int]]) -> list[int]:
+    """n3, s3, n2, s2, n1, s1, s0, 0 of up to 4 dims (leading ones padded with extent 1)."""
+    pad = [(1, 0)] * (4 - len(dims)) + dims
+    (_, s0), (n1, s1), (n2, s2), (n3, s3) = pad
+    return [n3, s3, n2, s2, n1, s1, s0, 0]
+
+
+def region_mode(x: torch.Tensor, block: int = BLOCK) -> int | None:
+    """How the kernels address region ``x``: CONTIG, ROWS or FLAT; None beyond 4 dims."""
+    dims = _collapse(x.shape, x.stride())
+    if len(dims) == 1 and dims[0][1] == 1:
+        return CONTIG
+    if len(dims) > 4:
+        return None
+    return ROWS if dims[-1][0] >= block // 2 else FLAT
+
+
+def _device_context(device: torch.device):
+    """Launch on ``device`` (Triton launches on the current CUDA device)."""
+    if device.type == "cuda" and device.index is not None:
+        if device.index != torch.cuda.current_device():
+            return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _on(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device``, copied without waiting (pinned) on CUDA."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class WindowTable:
+    """The routes of one writer window, for one-launch compare and emit kernels.
+
+    ``routes``: per slot (the window's routes in order) ``(new, shape, itemsize, numel,
+    scratch_at, old_at)``: ``new`` the live region of the route's new values in its wire dtype
+    (any strides), or None when they are computed into the window's scratch at byte
+    ``scratch_at`` (contiguous, of ``shape``); ``old_at`` where its bytes are in the window's
+    shadow bytes. Raises ValueError for a region the kernels cannot address (more than 4 dims
+    that do not merge).
+    """
+
+    def __init__(self, routes: Sequence[tuple], device: torch.device, block: int = BLOCK) -> None:
+        self.device = torch.device(device)
+        self.block = block
+        self.slots = len(routes)
+        rows: list[tuple[tuple[int, int], int, list[int], int]] = []
+        for slot, (new, _, isz, numel, scratch_at, old_at) in enumerate(routes):
+            if numel == 0:
+                continue
+            if new is None:
+                dims, addr, filled = [(numel, 1)], scratch_at, 1
+            else:
+                dims, addr, filled = _collapse(new.shape, new.stride()), new.data_ptr(), 0
+            mode = region_mode(new, block) if new is not None else CONTIG
+            if mode is None:
+                raise ValueError(
+                    f"route {slot}: a region of shape {tuple(new.shape)} and strides "
+                    f"{tuple(new.stride())} has more than 4 dims that do not merge"
+                )
+            ncols = dims[-1][0]
+            tpr = -(-ncols // block)
+            tiles = (numel // ncols) * tpr if mode == ROWS else -(-numel // block)
+            row = [addr, filled, old_at, 0, numel, tpr, slot, 0, *_dims_row(dims)]
+            rows.append(((isz, mode), tiles, row, slot))
+        rows.sort(key=lambda r: r[0])  # stable: route order within a group
+        self.groups: list[tuple[int, int, int, int]] = []
+        """Per launch: (itemsize, mode, first tile, tiles)."""
+        table = np.zeros((max(len(rows), 1), _WF), np.int64)
+        ends = np.zeros((2, self.slots), np.int64)
+        owner = []
+        tile = 0
+        for i, (key, tiles, row, slot) in enumerate(rows):
+            row[3] = tile
+            table[i] = row
+            ends[:, slot] = (tile, tile + tiles)
+            owner.append(np.full(tiles, i, np.int32))
+            if self.groups and self.groups[-1][:2] == key:
+                isz, mode, first, n = self.groups[-1]
+                self.groups[-1] = (isz, mode, first, n + tiles)
+            else:
+                self.groups.append((*key, tile, tiles))
+            tile += tiles
+        self.tiles = tile
+        self._routes = torch.from_numpy(table).to(self.device)
+        self._owner = torch.from_numpy(np.concatenate(owner or [np.zeros(0, np.int32)])).to(
+            self.device
+        )
+        self._ends = torch.from_numpy(ends.reshape(-1)).to(self.device)
+
+    def compare(self, work: torch.Tensor, scratch: torch.Tensor | None, update: bool):
+        """Launch the compare pass (no waiting). ``update``: only bring the shadow up to date
+        (every reader gets dense bytes), returning None; else return the pass's state for
+        :meth:`counts` and :meth:`emit`."""
+        if not self.tiles:
+            return None if update else (None, None)
+        scratch = work if scratch is None else scratch
+        counts = bits = work
+        if not update:
+            counts = torch.empty(self.tiles + 1, dtype=torch.int32, device=self.device)
+            bits = torch.empty(
+                self.tiles * (self.block // 32), dtype=torch.int32, device=self.device
+            )
+        with _device_context(self.device):
+            for isz, mode, first, n in self.groups:
+                _compare_kernel[(n,)](
+                    self._owner, self._routes, work, scratch, counts, bits, first,
+                    T=_INT[isz], MODE=mode, UPDATE=update, BLOCK=self.block, num_warps=8,
+                )  # fmt: skip
+        return None if update else (counts, bits)
+
+    def counts(self, state) -> tuple[np.ndarray, object]:
+        """Each slot's count of changed elements (waits for the compare pass)."""
+        counts, bits = state
+        if counts is None:
+            return np.zeros(self.slots, np.int64), state
+        cum = torch.cumsum(counts, 0, dtype=torch.int64)
+        ends = cum.index_select(0, self._ends).cpu().numpy()
+        return ends[self.slots :] - ends[: self.slots], (cum, bits)
+
+    def emit(self, state, work, scratch, plan: np.ndarray, store) -> None:
+        """Launch the emit pass with ``plan`` (per slot: kind, frame offset in ``store``,
+        values offset, index size): frames into ``store``, changed elements into the shadow."""
+        cum, bits = state
+        if cum is None:
+            return
+        scratch = work if scratch is None else scratch
+        store = work if store is None else store
+        rows = _on(plan.astype(np.int64), self.device)
+        with _device_context(self.device):
+            for isz, mode, first, n in self.groups:
+                _emit_kernel[(n,)](
+                    self._owner, self._routes, work, scratch, cum, bits, rows, store, first,
+                    T=_INT[isz], MODE=mode, BLOCK=self.block, num_warps=8,
+                )  # fmt: skip
+
+
+class TargetTable:
+    """A reader's live regions (every route of every bucket), for one-launch apply kernels.
+
+    ``regions``: the live region of each route, in the decoder's global route order. Raises
+    ValueError for a region the kernels cannot address (more than 4 dims that do not merge).
+    """
+
+    def __init__(
+        self, regions: Sequence[torch.Tensor], device: torch.device, block: int = BLOCK
+    ) -> None:
+        self.device = torch.device(device)
+        self.block = block
+        table = np.zeros((max(len(regions), 1), _TFH), np.int64)
+        self.contiguous = np.zeros(len(regions), bool)
+        self.itemsize = np.zeros(len(regions), np.int64)
+        for i, x in enumerate(regions):
+            mode = region_mode(x, block)
+            if mode is None:
+                raise ValueError(
+                    f"a live region of shape {tuple(x.shape)} and strides {tuple(x.stride())} "
+                    "has more than 4 dims that do not merge"
+                )
+            dims = _collapse(x.shape, x.stride())
+            table[i] = [x.data_ptr(), *_dims_row(dims)[:7]]
+            self.contiguous[i] = mode == CONTIG
+            self.itemsize[i] = x.element_size()
+        self._targets = torch.from_numpy(table).to(self.device)
+
+    def apply(
+        self,
+        buf: torch.Tensor,
+        route: np.ndarray,
+        values: np.ndarray,
+        nelem: np.ndarray,
+        index: np.ndarray,
+        ix: np.ndarray,
+        lr: np.ndarray,
+    ) -> None:
+        """Write frames of ``buf`` (uint8, on the device) into their routes' regions, one
+        entry per frame: its global ``route``, the byte offset of its ``values``, ``nelem``
+        elements to write, and for a sparse frame (``ix`` 4 or 8, 0 for a dense one) the byte
+        offset of its unit ``index``\\ es and log2 of elements per unit ``lr``."""
+        keep = nelem > 0
+        route, values, nelem, index, ix, lr = (
+            a[keep] for a in (route, values, nelem, index, ix, lr)
+        )
+        if not len(route):
+            return
+        isz = self.itemsize[route]
+        contiguous = self.contiguous[route]
+        order = np.lexsort((contiguous, isz))  # groups of one launch; stable within
+        tiles = -(-nelem // self.block)
+        ent = np.zeros((len(route), _EFH), np.int64)
+        ent[:, 1:] = np.stack([route, values, index, nelem, ix, lr, ix > 0], 1)
+        ent = ent[order]
+        tiles, isz, contiguous = tiles[order], isz[order], contiguous[order]
+        cuts = np.flatnonzero((np.diff(isz) != 0) | (np.diff(contiguous) != 0)) + 1
+        bounds = [0, *cuts.tolist(), len(ent)]
+        launches = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            t = tiles[a:b]
+            ent[a:b, 0] = np.cumsum(t) - t
+            launches.append((a, b, int(t.sum()), int(isz[a]), bool(contiguous[a])))
+        entries = _on(ent, self.device)
+        with _device_context(self.device):
+            for a, b, n, size, contig in launches:
+                n_ent = b - a
+                _apply_kernel[(n,)](
+                    entries[a:] if a else entries, n_ent, max(n_ent - 1, 0).bit_length(),
+                    self._targets, buf, T=_INT[size], CONTIGUOUS=contig, BLOCK=self.block, num_warps=4,
+                )  # fmt: skip
