@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,14 +27,8 @@ from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
 from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, wire_layout
 from weightbus.plan.program import BucketCopier, BucketOp, direct_view
 from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
-from weightbus.transports.base import (
-    TRANSPORT_ENV,
-    Program,
-    Transport,
-    available_transports,
-    select_transport,
-    transport_class,
-)
+from weightbus.transports.base import Program, Transport, transport_class
+from weightbus.transports.links import build_transport, check_choice, choose_links
 from weightbus.verify import level_mismatch
 
 logger = logging.getLogger(__name__)
@@ -61,8 +54,11 @@ class SyncConfig:
     """fnmatch patterns of writer tensors no reader needs."""
     direct_bytes: int = 4 * MiB
     """Routes this large travel alone and, where contiguous and needing no cast, in place."""
-    transport: str = "auto"
-    """Transport name ("gloo", ...) or "auto" to choose per link from hosts and devices."""
+    transport: str | Mapping[str, str] = "auto"
+    """"auto" (choose per link from hosts, GPUs and processes), one transport name for every
+    link ("nccl"), or per link class (``{"same_host": "nccl"}``, or ``"same_host=nccl"``;
+    classes left out stay automatic): see :mod:`weightbus.transports.links`. With "auto",
+    ``$WEIGHTBUS_TRANSPORT`` (same forms) decides."""
     sync_timeout: timedelta = timedelta(minutes=5)
     """Longest one sync may take once it started, on any participant."""
     connect_timeout: timedelta = timedelta(minutes=5)
@@ -109,6 +105,8 @@ class SyncConfig:
             if not isinstance(v, timedelta) or v.total_seconds() <= 0:
                 raise ValueError(f"{name}={v!r} must be a positive datetime.timedelta")
         object.__setattr__(self, "ignore_unread", tuple(self.ignore_unread))
+        if self.transport != "auto":
+            object.__setattr__(self, "transport", check_choice(self.transport))
 
     def plan_options(self) -> PlanOptions:
         """The planner's options from this config's plan-related fields."""
@@ -177,6 +175,10 @@ class _Session:
         """Bytes this participant sends (writer) or receives (reader) per sync."""
         self.direct: list[torch.Tensor | None] = []
         """Per op: the live bytes it moves in place (one contiguous region), or None (staged)."""
+        self.pulled: tuple[BucketOp, ...] = ()
+        """The ops whose link pulls: the reader copies straight from the writer's tensors."""
+        self.pushed: tuple[tuple[BucketOp, torch.Tensor | None], ...] = ()
+        """The other ops, in order, each with its ``direct`` entry: the writer sends them."""
         self.transport: Transport | None = None
         self.codec = None
         """The codecs' state (WriterCodec / ReaderCodec), or None when none applies here."""
@@ -265,6 +267,7 @@ class _Session:
             self.bound.layout.participant,
             codecs,
             timeout=max(cfg.sync_timeout, cfg.step_timeout),
+            job=self.control.config.job,
         )
         self.transport.connect(self.control, plan.participants)
         device = self._device = _device_of(self.bound)
@@ -272,17 +275,22 @@ class _Session:
             self.direct = [self.codec.direct(op) for op in self.ops]
         else:
             self.direct = [direct_view(op, self.bound.tensors) for op in self.ops]
-        pulls = self.transport.pulls  # readers copy straight from the writers' tensors
+        # per op: does its link pull (readers copy straight from the writers' tensors)?
+        pulls = [self.transport.pulls_from(op.peer_global) for op in self.ops]
+        self.pulled = tuple(op for op, p in zip(self.ops, pulls, strict=True) if p)
+        self.pushed = tuple(
+            (op, d) for op, d, p in zip(self.ops, self.direct, pulls, strict=True) if not p
+        )
         self._live_ptrs = {
             c.key: self.bound.tensors[c.key].data_ptr()
-            for op, live in zip(self.ops, self.direct, strict=True)
-            if live is not None or pulls
+            for op, live, p in zip(self.ops, self.direct, pulls, strict=True)
+            if live is not None or p
             for c in op.copies
         }
         staged = [
             self.codec.capacity(op) if self.codec is not None else op.nbytes
-            for op, d in zip(self.ops, self.direct, strict=True)
-            if d is None and not pulls
+            for op, d, p in zip(self.ops, self.direct, pulls, strict=True)
+            if d is None and not p
         ]
         largest = max(staged, default=0)
         n = min(self.config.staging_buffers, len(staged))
@@ -669,40 +677,36 @@ def _codec_words(digest: str) -> str:
 
 
 def _select_transport(
-    name: str,
+    name: str | Mapping[str, str],
     plan: TransferPlan,
     participant: Participant,
     codecs: CodecConfig,
+    job: str = "",
     **config,
 ) -> Transport:
-    """The job's transport; with codecs, one whose writers send what they encoded.
+    """The job's transport, chosen per link (:func:`~weightbus.transports.links.choose_links`);
+    with codecs, only transports whose writers send what they encoded.
 
-    A pulling transport (CUDA IPC) has readers copy straight out of the writers' tensors, so
-    no writer ever encodes: with codecs the automatic choice skips such transports, and one
-    asked for by name is refused rather than moving uncoded bytes. The choice depends only on
-    the participants and the agreed codecs, so every process makes the same one.
+    A pulling transport (CUDA IPC, local) has readers copy straight out of the writers'
+    tensors, so no writer ever encodes: with codecs the automatic choice skips such
+    transports, and one asked for (by name, per link class or in ``$WEIGHTBUS_TRANSPORT``) is
+    refused rather than moving uncoded bytes. The choice depends only on the participants,
+    the plan's links and the agreed codecs, so every process makes the same one; it is
+    logged once per job.
     """
-    if codecs.active and name in ("auto", None) and not os.environ.get(TRANSPORT_ENV):
-        people = plan.participants
-        fits = [
-            n
-            for n in available_transports()
-            if not transport_class(n).pulls
-            and transport_class(n).priority >= 0
-            and transport_class(n).unsupported(people) is None
-        ]
-        if fits:
-            name = fits[0]
-    transport = select_transport(name, plan, participant, **config)
-    if codecs.active and transport.pulls:
+    choice = choose_links(plan, transport=name, push_only=codecs.active)
+    pulling = choice.pulling()
+    if codecs.active and pulling:
+        kind, pulls = next(iter(pulling.items()))
         why = transport_class("nccl").unsupported(plan.participants) or "it was not chosen"
         raise ValueError(
             f"codecs {codecs.summary()} need a transport whose writers encode and send each "
-            f"bucket, but {transport.name!r} pulls straight from the writers' tensors (no "
-            f"writer encodes): use transport 'nccl' or 'gloo' (nccl here: {why}), or turn "
-            "SyncConfig.fp8 / delta off for this job"
+            f"bucket, but {pulls!r} pulls straight from the writers' tensors (no writer "
+            f"encodes) on the {kind} links: use transport 'nccl' or 'gloo' (nccl here: {why}), "
+            "or turn SyncConfig.fp8 / delta off for this job"
         )
-    return transport
+    choice.log(job)
+    return build_transport(choice, **config)
 
 
 def _numbered(readers: list[Layout]) -> list[Layout]:

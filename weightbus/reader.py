@@ -222,12 +222,12 @@ class Reader(_Session):
                 verifier.begin()
             if self.codec is not None:
                 total = self._receive_coded(version, deadline, phases)
-            ops = () if transport.pulls or self.codec is not None else self.ops
-            if transport.pulls:
+            ops = () if self.codec is not None else self.pushed
+            if self.pulled:
                 # the transport copies each bucket from the writer's tensors into ours
-                direct = [transport.pull(op.peer_global, op.bucket) for op in self.ops]
-                direct_ops = list(self.ops)
-            for op, live in zip(ops, self.direct[: len(ops)], strict=True):
+                direct = [transport.pull(op.peer_global, op.bucket) for op in self.pulled]
+                direct_ops = list(self.pulled)
+            for op, live in ops:
                 if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
                     direct.append(transport.recv(op.peer_global, live, op.bucket))
@@ -263,7 +263,7 @@ class Reader(_Session):
                 # they ran, and only then may this reader acknowledge
                 t = time.perf_counter()
                 torch.cuda.current_stream(self._device).synchronize()
-                phases["transfer" if transport.pulls else "unpack"] += time.perf_counter() - t
+                phases["transfer" if self.pulled else "unpack"] += time.perf_counter() - t
             if verifier is not None:
                 t = time.perf_counter()
                 check_reader(

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
+import threading
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +41,9 @@ __all__ = [
     "PieceTable",
     "TensorSpec",
     "dtype_name",
+    "gpu_uuid",
     "itemsize",
+    "this_process",
     "torch_dtype",
 ]
 
@@ -239,9 +244,57 @@ class LocalTensor:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
 
+_PROCESS_LOCK = threading.Lock()
+_PROCESS: list = [0, ""]  # [pid, id]: drawn again in a forked child
+
+
+def _forked() -> None:
+    # a fork may copy the lock held by another thread: the child starts afresh
+    global _PROCESS_LOCK
+    _PROCESS_LOCK = threading.Lock()
+    _PROCESS[:] = [0, ""]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def this_process() -> str:
+    """An id of the calling process, ``<pid>-<random>``: equal for every thread of the
+    process, distinct from every other process (of any host, and after a fork)."""
+    pid = os.getpid()
+    with _PROCESS_LOCK:
+        if _PROCESS[0] != pid:
+            _PROCESS[:] = [pid, f"{pid}-{uuid.uuid4().hex[:12]}"]
+        return _PROCESS[1]
+
+
+def gpu_uuid(device: str | torch.device) -> str:
+    """The UUID of CUDA device ``device`` as this process numbers its GPUs (after its
+    ``CUDA_VISIBLE_DEVICES``), or "" for another device type, or where CUDA or that GPU is
+    not available. Initializes CUDA in this process for a cuda device."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return ""  # not a device torch knows: no GPU identity
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    index = d.index if d.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        return ""
+    uuid_ = torch.cuda.get_device_properties(index).uuid
+    text = str(uuid_)  # 8-4-4-4-12 hex, as nvidia-smi shows it after "GPU-"
+    return text if not text.startswith("<") else bytes(uuid_.bytes).hex()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Participant:
-    """Who a layout belongs to: role, rank within the role, name, host id and device."""
+    """Who a layout belongs to: role, rank within the role, name, host id, device, and the
+    GPU and process identities that tell which participants share a GPU or a process.
+
+    Build it in the process it describes (like ``host``, ``gpu`` and ``process`` default to
+    this process's own): transports are chosen per link from these fields.
+    """
 
     role: str
     """``"writer"`` (trainer side) or ``"reader"`` (inference side)."""
@@ -254,6 +307,16 @@ class Participant:
     machine's host name, as host sources and engine adapters use)."""
     device: str = "cpu"
     """Device of the participant's tensors (``cpu``, ``cuda:0``)."""
+    gpu: str | None = None
+    """GPU identity: the UUID of ``device`` (``torch.cuda.get_device_properties(i).uuid``).
+    Two processes may both say ``cuda:0`` on different GPUs, or ``cuda:0`` and ``cuda:1`` on
+    one, when their ``CUDA_VISIBLE_DEVICES`` differ; the UUID tells. None (default): read in
+    this process for a cuda device (:func:`gpu_uuid`). "" for CPU and where unknown (links
+    then compare host and device string)."""
+    process: str | None = None
+    """Process identity (``<pid>-<random>``, :func:`this_process`): participants with the same
+    host and process are threads of one process and may share memory directly (the
+    ``local`` transport). None (default): this process. "" where unknown."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -268,6 +331,17 @@ class Participant:
                 f"participant name {self.name!r} contains white space: use letters, digits, "
                 "'-', '_', '.' (e.g. 'infer-1')"
             )
+        if self.gpu is None:
+            object.__setattr__(self, "gpu", gpu_uuid(self.device))
+        if self.process is None:
+            object.__setattr__(self, "process", this_process())
+        for field_name in ("gpu", "process"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"participant {self.name!r}: {field_name}={value!r} must be a str "
+                    "(or None: this process's own)"
+                )
 
     def to_dict(self) -> dict:
         """A plain dict of the fields (JSON and msgpack ready)."""
@@ -277,17 +351,23 @@ class Participant:
             "name": self.name,
             "host": self.host,
             "device": self.device,
+            "gpu": self.gpu,
+            "process": self.process,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> Participant:
-        """The inverse of :meth:`to_dict`."""
+        """The inverse of :meth:`to_dict`. A dict without ``gpu`` or ``process`` (written by
+        an older weightbus) gives "" (unknown) for them, never this process's values; the
+        control plane itself refuses peers that do not send them."""
         return cls(
             role=str(d["role"]),
             rank=int(d["rank"]),
             name=str(d["name"]),
             host=str(d["host"]),
             device=str(d["device"]),
+            gpu=str(d.get("gpu", "")),
+            process=str(d.get("process", "")),
         )
 
 

@@ -102,10 +102,10 @@ class Writer(_Session):
                 verifier.begin()
             if self.codec is not None:
                 sent = self._send_coded(version, seq, deadline, phases, progress)
-            elif transport.pulls and verifier is not None:
+            elif self.pulled and verifier is not None:
                 # readers copy from these tensors: sum them as the readers will receive them
                 t = time.perf_counter()
-                for op in self.ops:
+                for op in self.pulled:
                     verifier.add(op, region_views(op, self.bound.tensors))
                 phases["verify"] += time.perf_counter() - t
             free = deque(self._staging)
@@ -114,8 +114,8 @@ class Writer(_Session):
             tensors = self.bound.tensors
             # a pulling transport's readers copy from this writer's tensors themselves (and
             # with codecs every bucket went out above)
-            ops = () if self.codec is not None or transport.pulls else self.ops
-            for op, live in zip(ops, self.direct[: len(ops)], strict=True):
+            ops = () if self.codec is not None else self.pushed
+            for op, live in ops:
                 if live is not None:
                     # one contiguous region of a live tensor: sent in place, no staging
                     direct.append(transport.send(op.peer_global, live, op.bucket))
@@ -144,7 +144,7 @@ class Writer(_Session):
                 done += op.nbytes
                 if progress is not None:
                     progress(done, total)
-            if progress is not None and not ops:
+            if progress is not None and (done < total or not ops):
                 progress(total, total)
             drop: list[str] = []
             if verifier is not None:

@@ -405,8 +405,17 @@ MEMBERS: Schema = {"epoch": int}
 """``members/<seq>``, from writer rank 0 with elastic membership, at the start of each sync
 but the first of an epoch: the epoch this sync runs in (one more than the current: the
 members changed, everyone plans again first)."""
-PARTICIPANT: Schema = {"role": str, "rank": int, "name": str, "host": str, "device": str}
-"""A participant as the store holds it (:meth:`Participant.to_dict`)."""
+PARTICIPANT: Schema = {
+    "role": str,
+    "rank": int,
+    "name": str,
+    "host": str,
+    "device": str,
+    "gpu": str,
+    "process": str,
+}
+"""A participant as the store holds it (:meth:`Participant.to_dict`). A peer running a
+weightbus without ``gpu`` and ``process`` is refused with a :class:`ProtocolError` naming it."""
 MEMBER: Schema = {"participant": PARTICIPANT, "nonce": str}
 """``member/<role>/<rank>``: who holds a rank, and the nonce of that process's registration."""
 ROSTER: Schema = {"epoch": int, "members": ListOf(PARTICIPANT), "joined": ListOf(str)}

@@ -1,4 +1,5 @@
-"""Transports: gloo, nccl, cuda_ipc (built into :mod:`weightbus.transports.base`), rdma."""
+"""Transports: gloo, nccl, cuda_ipc, local (built into :mod:`weightbus.transports.base`),
+rdma; :mod:`weightbus.transports.links` chooses one per link."""
 
 from weightbus.transports import base as _base
 

@@ -24,10 +24,12 @@ Lifecycle, identical for every transport::
                         the readers' copies, so a sync needs no handshake; others ignore it.
     4. per sync         t.begin()   (writers, before announcing the sync: the data is final)
                         h = t.send(peer, buf, tag)   /   h = t.recv(peer, buf, tag)
-                        or, when ``t.pulls``: writers post nothing and h = t.pull(peer, tag)
-                        on readers copies bucket ``tag`` from writer ``peer``'s tensors straight
-                        into the reader's tensors; once the sync's last bucket is pulled, the
-                        reader's current CUDA stream waits for every copy.
+                        or, where ``t.pulls_from(peer)``: writers post nothing for that peer
+                        and h = t.pull(peer, tag) on readers copies bucket ``tag`` from writer
+                        ``peer``'s tensors straight into the reader's tensors; once the sync's
+                        last bucket is pulled, the reader's current CUDA stream waits for every
+                        copy. One transport pulls on every link or on none (``t.pulls``); a
+                        job mixing transports (:mod:`weightbus.transports.links`) does per link.
                         Post and return at once; many may be in flight, to many peers. A send
                         matches the recv posted on the peer with the same tag. Per peer and
                         direction, handles complete in posting order, so both sides post in the
@@ -44,16 +46,21 @@ Lifecycle, identical for every transport::
                         t.abort(reason)  tears everything down at once, pending work included.
                         Both are idempotent and never hang.
 
-Capability flags are class attributes, read by :func:`select_transport` (and later by a per-link
-chooser) without building anything. Transports register by name; the automatic choice is
-logged once and can be overridden by name (argument, or ``$WEIGHTBUS_TRANSPORT``).
+Capability flags are class attributes, read by the per-link chooser
+(:func:`weightbus.transports.links.choose_links`, behind :func:`select_transport`) without
+building anything. Each writer->reader link gets a transport from its class (same GPU, same
+host, other host; CPU: same process, same host, other host): the highest-priority transport
+whose flags carry that class (:meth:`Transport.carries`). When every link gets the same one,
+that transport serves the whole job; otherwise a composite
+(:class:`~weightbus.transports.links.LinksTransport`) runs each over the participants its links
+join. Transports register by name; the choice is logged once per job as a table and can be
+overridden by name, per link class, or with ``$WEIGHTBUS_TRANSPORT``.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -174,6 +181,8 @@ class Transport:
     pulls: ClassVar[bool] = False
     """Whether readers copy straight out of the writers' tensors (shared at :meth:`expose`):
     writers then post no sends and pack nothing, and readers call :meth:`pull`, not recv."""
+    same_process: ClassVar[bool] = False
+    """Whether it links only participants that are threads of one process."""
 
     def __init__(self, timeout: timedelta | None = None) -> None:
         self.timeout = timeout
@@ -207,6 +216,31 @@ class Transport:
         if len(hosts) > 1 and not cls.cross_host:
             return f"{cls.name} links one host only, the job spans hosts {sorted(hosts)}"
         return None
+
+    @classmethod
+    def carries(cls, link_class: str) -> bool:
+        """Whether links of ``link_class`` (:data:`weightbus.transports.links.LINK_CLASSES`)
+        fit this transport's flags; :meth:`unsupported` still has the last word on a job."""
+        gpu, cpu = "cuda" in cls.devices, "cpu" in cls.devices
+        apart = not cls.same_process  # links separate processes
+        fits = {
+            "same_gpu": gpu and cls.same_gpu_zero_copy and apart,
+            "same_host": gpu and apart,
+            "cross_host": gpu and cls.cross_host and apart,
+            "cpu_same_process": cpu,
+            "cpu_same_host": cpu and apart,
+            "cpu_cross_host": cpu and cls.cross_host and apart,
+            "cpu_gpu": cpu and gpu and cls.cross_host and apart,
+        }
+        if link_class not in fits:
+            raise ValueError(f"unknown link class {link_class!r}; the classes are {sorted(fits)}")
+        return fits[link_class]
+
+    def pulls_from(self, peer: Participant | str | int) -> bool:
+        """Whether this participant's link with ``peer`` pulls (the reader copies straight
+        from the writer's tensors: :meth:`pull`) rather than pushes (:meth:`send` /
+        :meth:`recv`). One transport does the same on every link (:attr:`pulls`)."""
+        return self.pulls
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -515,9 +549,9 @@ _BUILTIN: dict[str, str] = {
     "gloo": "weightbus.transports.gloo:GlooTransport",
     "nccl": "weightbus.transports.nccl:NcclTransport",
     "cuda_ipc": "weightbus.transports.cuda_ipc:CudaIpcTransport",
+    "local": "weightbus.transports.local:LocalTransport",
 }
 _REGISTRY: dict[str, type[Transport]] = {}
-_LOGGED: set[tuple[str, str]] = set()
 
 
 def register_transport(cls: type[Transport]) -> type[Transport]:
@@ -555,65 +589,32 @@ def transport_class(name: str) -> type[Transport]:
 
 
 def select_transport(
-    name: str | None = None,
+    name: str | Mapping[str, str] | None = None,
     participants: Roster | Iterable[Participant] | Any = (),
     participant: Participant | None = None,
     **config: Any,
 ) -> Transport:
     """A new, unconnected transport for a job.
 
-    ``name`` (or ``$WEIGHTBUS_TRANSPORT``) picks one by name; None or ``"auto"`` picks the
-    highest-priority transport that can link every participant. ``participants`` is a
-    :class:`Roster`, participants, or anything with a ``participants`` attribute (a
-    ``TransferPlan``). ``participant`` is this process (kept for per-link choices; one
-    transport serves the whole job for now). ``config`` goes to the transport's constructor.
-    The choice is logged once.
+    ``name`` (or ``$WEIGHTBUS_TRANSPORT``) picks one by name for every link, or per link class
+    (``{"same_host": "nccl"}``, or ``"same_host=nccl"``); None or ``"auto"`` chooses for each
+    writer->reader link the highest-priority transport that carries its class (see
+    :func:`weightbus.transports.links.choose_links`). ``participants`` is a :class:`Roster`,
+    participants, or anything with a ``participants`` attribute (a ``TransferPlan``, whose
+    buckets then say which links exist; otherwise every writer links every reader).
+    ``participant`` is this process (checked to be among them). ``config`` goes to the
+    transport's constructor (each transport's, when links get different ones). The choice is
+    logged once, as a table of link classes.
 
-    The automatic choice is a pure function of the participants, so every process makes the
-    same one; :meth:`Transport.connect` checks that they did.
+    When every link gets the same transport, it is returned as it is; otherwise a
+    :class:`~weightbus.transports.links.LinksTransport` holding one per name. The choice is
+    a pure function of the participants (and the transports installed), so every process
+    makes the same one; :meth:`Transport.connect` checks that they did.
     """
-    if hasattr(participants, "participants"):
-        participants = participants.participants
-    if hasattr(participants, "all"):
-        participants = participants.all
-    people = list(participants)
-    if not people:
-        raise ValueError("select_transport needs the job's participants")
-    if participant is not None and participant.name not in {p.name for p in people}:
+    from weightbus.transports.links import build_transport, choose_links
+
+    choice = choose_links(participants, transport=name)
+    if participant is not None and participant.name not in {p.name for p in choice.participants}:
         raise ValueError(f"{participant.name!r} is not among the participants")
-    if name == "auto":
-        name = None
-    chosen = name or os.environ.get(TRANSPORT_ENV) or None
-    fits = [
-        n
-        for n in available_transports()
-        if transport_class(n).unsupported(people) is None and transport_class(n).priority >= 0
-    ]
-    if chosen is not None:
-        cls = transport_class(chosen)
-        reason = cls.unsupported(people)
-        if reason is not None:
-            raise ValueError(f"transport {chosen!r} was asked for but {reason}; these fit: {fits}")
-        how = "by name" if name else f"by ${TRANSPORT_ENV}"
-    else:
-        if not fits:
-            reasons = "; ".join(
-                transport_class(n).unsupported(people) or "" for n in available_transports()
-            )
-            raise ValueError(f"no transport can link this job: {reasons}")
-        cls = transport_class(fits[0])
-        how = "automatically"
-    key = (cls.name, how)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info(
-            "weightbus: transport %r chosen %s for %d participants (devices %s, %d hosts); "
-            "override by name or with $%s",
-            cls.name,
-            how,
-            len(people),
-            sorted({p.device for p in people}),
-            len({p.host for p in people}),
-            TRANSPORT_ENV,
-        )
-    return cls(**config)
+    choice.log()
+    return build_transport(choice, **config)
