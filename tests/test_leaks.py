@@ -152,16 +152,22 @@ def test_200_syncs_leave_rss_threads_fds_and_store_keys_flat():
 # ---------------------------------------------------------------------------------------------
 
 
-def _gpu_participant(role: str, port: int, job: str, q) -> None:
+def _gpu_participant(
+    role: str, port: int, job: str, q, device: str = "cuda:0", transport: str = "cuda_ipc"
+) -> None:
+    """One side of the GPU leak job (``device`` and ``transport`` can be changed to try the
+    test's plumbing on CPU: "cpu" and "gloo", where the CUDA memory figure reads 0)."""
     try:
         from tests.test_faults_membership import canonical
         from weightbus import Reader, Writer
         from weightbus.plan import fill_from_canonical
 
-        torch.cuda.set_device(0)
-        model, wbound, (rbound,) = _bounds(1, device="cuda:0")
-        control, config = _configs(port, job, 1, transport="cuda_ipc")
-        versions = [{k: t.cuda() for k, t in canonical(model, v).items()} for v in range(3)]
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(torch.device(device))
+        model, wbound, (rbound,) = _bounds(1, device=device)
+        control, config = _configs(port, job, 1, transport=transport)
+        versions = [{k: t.to(device) for k, t in canonical(model, v).items()} for v in range(3)]
         samples = []
         bound = wbound if role == "writer" else rbound
         with (Writer if role == "writer" else Reader)(bound, control, config) as s:
@@ -172,27 +178,31 @@ def _gpu_participant(role: str, port: int, job: str, q) -> None:
                 else:
                     s.wait()
                 if v >= WARMUP and v % EVERY == 0:
-                    torch.cuda.synchronize()
-                    samples.append((v, torch.cuda.memory_allocated(), _rss()))
-        q.put((role, "ok", samples))
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    allocated = torch.cuda.memory_allocated(device) if cuda else 0
+                    samples.append((v, allocated, _rss()))
+            done = (s.syncs, s.transport.name)
+        q.put((role, "ok", {"samples": samples, "syncs": done[0], "transport": done[1]}))
     except BaseException as exc:
         q.put((role, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_200_syncs_on_a_gpu_leave_cuda_memory_flat():
+def _run_gpu_leak_job(device: str = "cuda:0", transport: str = "cuda_ipc") -> dict:
+    """A writer and a reader process on ``device``, 200 syncs; what each reported."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job = f"leak-gpu-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_gpu_participant, args=(role, store.port, job, q))
+    procs = {
+        role: ctx.Process(
+            target=_gpu_participant, args=(role, store.port, job, q, device, transport)
+        )
         for role in ("writer", "reader")
-    ]
-    for p in procs:
+    }
+    for p in procs.values():
         p.start()
-    results = {}
+    results: dict = {}
     deadline = time.monotonic() + 240
     try:
         while len(results) < 2 and time.monotonic() < deadline:
@@ -200,17 +210,30 @@ def test_200_syncs_on_a_gpu_leave_cuda_memory_flat():
                 role, status, payload = q.get(timeout=0.5)
                 results[role] = (status, payload)
             except queue.Empty:
-                if all(not p.is_alive() for p in procs):
+                if all(not p.is_alive() for p in procs.values()):
                     break
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    codes = {role: p.exitcode for role, p in procs.items()}
     for role in ("writer", "reader"):
-        status, samples = results.get(role, ("missing", None))
-        assert status == "ok", (role, status, samples)
+        status, payload = results.get(role, ("missing", "it reported nothing"))
+        assert status == "ok", f"{role}: {status}: {payload} (exit codes {codes})"
+    return {role: payload for role, (_, payload) in results.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_200_syncs_on_a_gpu_leave_cuda_memory_flat():
+    results = _run_gpu_leak_job()
+    print("\n(sync, CUDA memory allocated, RSS MiB) per participant:")
+    for role, r in results.items():
+        assert r["transport"] == "cuda_ipc" and r["syncs"] == SYNCS, (role, r)
+        samples = r["samples"]
+        print(f"  {role}: " + ", ".join(f"({v}, {a}, {m / 2**20:.1f})" for v, a, m in samples))
         allocated = [a for _, a, _ in samples]
         assert allocated[-1] == allocated[0], (role, samples)  # to the byte
-        growth = max(r for _, _, r in samples[-3:]) - samples[0][2]
-        assert growth < RSS_SLACK, (role, samples)
+        growth = max(m for _, _, m in samples[-3:]) - samples[0][2]
+        assert growth < RSS_SLACK, (role, f"RSS grew {growth / 2**20:.1f} MiB", samples)
