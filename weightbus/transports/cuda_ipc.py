@@ -53,7 +53,7 @@ import torch
 
 from weightbus.control.store import ListOf, Row, Schema
 from weightbus.errors import PlanMismatch, ProtocolError, WeightbusError
-from weightbus.spec import Participant, torch_dtype
+from weightbus.spec import Participant, gpu_uuid, torch_dtype
 from weightbus.transports._cuda import Cudart, copy_job, cuda_device
 from weightbus.transports.base import Handle, Program, Transport, register_transport
 
@@ -177,6 +177,22 @@ RELAY_TABLE: Schema = {**TABLE, "covers": ListOf(int)}
 """``cuda_ipc/<n>/relay`` from each reader: what it relays on, and per bucket its event."""
 SIGNAL: Schema = {}
 """``cuda_ipc/<n>/opened`` and ``.../relayed/<sync>/<chunk>``: a bare signal."""
+
+
+def _local_gpu(peer: Participant, posted: int) -> torch.device:
+    """The GPU ``peer`` runs on, as this process numbers GPUs: found by its UUID (processes
+    with different ``CUDA_VISIBLE_DEVICES`` number GPUs differently), else the index it
+    posted (same numbering assumed)."""
+    if peer.gpu:
+        for i in range(torch.cuda.device_count()):
+            if gpu_uuid(f"cuda:{i}") == peer.gpu:
+                return torch.device("cuda", i)
+        raise WeightbusError(
+            f"cuda_ipc: {peer.name!r} runs on GPU {peer.gpu}, which this process cannot see "
+            "(CUDA_VISIBLE_DEVICES): make every GPU of the job's cuda_ipc links visible to "
+            "each of its processes, or use transport 'nccl' for these links"
+        )
+    return torch.device("cuda", posted)
 
 
 def _check_table(table: dict, who: str, topic: str, participants: int) -> dict:
@@ -440,7 +456,8 @@ class CudaIpcTransport(Transport):
 
         def source(name: str, t: dict) -> tuple[_Source, dict, dict]:
             if name not in sources:
-                src = _Source(name, torch.device("cuda", int(t["device"])), self._device)
+                where = _local_gpu(roster.all[roster.global_rank(name)], int(t["device"]))
+                src = _Source(name, where, self._device)
                 # one small copy through torch: it enables peer access from the source's GPU
                 torch.empty(1, device=self._device).copy_(torch.zeros(1, device=src.device))
                 if t["event"]:

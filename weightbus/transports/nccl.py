@@ -64,7 +64,8 @@ class NcclTransport(Transport):
             )
         seen: dict[tuple[str, str], str] = {}
         for p in people:
-            key = (p.host, str(cuda_device(p)))
+            # one GPU by its UUID (device strings differ with CUDA_VISIBLE_DEVICES)
+            key = (p.host, p.gpu or str(cuda_device(p)))
             if key in seen:
                 return (
                     f"nccl cannot link two processes on one GPU ({seen[key]!r} and {p.name!r} on "
