@@ -62,14 +62,18 @@ def _bucket(device: str):
 def test_compiled_pack_and_unpack_equal_copy_per_route():
     tensors, op = _bucket("cuda")
     cpu_tensors, _ = _bucket("cpu")
-    want = torch.zeros(op.nbytes, dtype=torch.uint8)
+    want = torch.full((op.nbytes,), 0xFF, dtype=torch.uint8)  # the padding between routes
     pack(op, cpu_tensors, want)
     copier = BucketCopier()
     buf = torch.zeros(op.nbytes, dtype=torch.uint8, device="cuda")
     for _ in range(2):  # compiled on the first call, replayed on the second
         buf.fill_(0xFF)
         copier.pack(op, tensors, buf)
-        assert torch.equal(buf.cpu(), want)
+        got = buf.cpu()
+        for c in op.copies:  # route by route first, for a readable failure
+            part = slice(c.offset, c.offset + c.nbytes)
+            assert torch.equal(got[part], want[part]), (c.key, c.index)
+        assert torch.equal(got, want)
     (entry,) = copier._compiled.values()
     assert entry[2] is not None and len(entry[3]) == 1  # all routes in one table but the cast
     poisoned = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v.clone().zero_()

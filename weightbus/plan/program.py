@@ -6,6 +6,7 @@ transports' Writer/Reader run the same :func:`pack` and :func:`unpack`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -113,7 +114,8 @@ class BucketCopier:
     is packed from (or unpacked into) a buffer, its routes become one Triton copy table (see
     :mod:`weightbus.plan._copy_triton`), and every later time one launch copies them all;
     casts and odd strides keep ``copy_``. The live tensors must stay in place (sessions check
-    it every sync); one copier serves one set of buffers (a session's epoch)."""
+    it every sync); one copier serves one set of buffers (a session's epoch).
+    ``$WEIGHTBUS_COPY_KERNELS=0`` turns the kernels off (``copy_`` per route everywhere)."""
 
     def __init__(self) -> None:
         self._compiled: dict[tuple, tuple] = {}
@@ -129,7 +131,7 @@ class BucketCopier:
 
     @torch.no_grad()
     def _run(self, op, tensors, buf, packing: bool) -> None:
-        if buf.device.type != "cuda":
+        if buf.device.type != "cuda" or os.environ.get("WEIGHTBUS_COPY_KERNELS") == "0":
             (pack if packing else unpack)(op, tensors, buf)
             return
         key = (id(op), id(tensors), buf.data_ptr(), packing)
