@@ -102,7 +102,10 @@ def test_resharding_syncs_are_bit_exact(shadow):
             fill_from_canonical(lay, {k: v.cuda() for k, v in canon.items()}, t)
         moved = run_sync(plan, wcs, rcs, step, absent=absent)
         cpu = [{k: v.cpu() for k, v in t.items()} for t in got]
-        assert_exact(rs, cpu, canon, skip=absent)
+        try:
+            assert_exact(rs, cpu, canon, skip=absent)
+        except AssertionError as exc:
+            raise AssertionError(f"sync {step} (moved {moved} of {dense_bytes}): {exc}") from exc
         if step > 1 and step % 7 and step != 13:
             assert moved < 0.2 * dense_bytes, (step, moved, dense_bytes)
 
