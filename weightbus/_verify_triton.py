@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from weightbus.plan._copy_triton import blocks, tiles
+
 _BR, _BC = 32, 256  # words per tile: rows, columns (_BC <= 256 keeps narrow row sums in int32)
 # row tiles per program: a route's programs all add into its two sums, and atomics on one
 # address serialize (one tile per program ran at 0.84 TB/s on an H200)
@@ -122,13 +124,7 @@ class _Table:
         self.groups = []
         for (kind, aligned), rows in sorted(by.items()):
             table = np.array(rows, dtype=np.int64).reshape(-1, _PIECE)
-            tiles = []
-            for k, (_, _, h, w, _, _) in enumerate(rows):
-                tr, tc = np.meshgrid(
-                    np.arange(-(-h // (_BR * _GROUP))), np.arange(-(-w // _BC)), indexing="ij"
-                )
-                tiles.append(np.stack([np.full(tr.size, k), tr.ravel(), tc.ravel()], 1))
-            t = np.concatenate(tiles).astype(np.int32)
+            t = tiles([(h, w) for _, _, h, w, _, _ in rows], _BR * _GROUP, _BC)
             self.groups.append(
                 (
                     kind,
@@ -138,29 +134,6 @@ class _Table:
                     len(t),
                 )
             )
-
-
-def _two_d(x: torch.Tensor):
-    """2-D views ``(rows, width)`` of ``x`` in row-major order with their first word's offset,
-    or None when some view has a column stride other than 1 (then torch sums the bucket)."""
-    if x.dim() == 2:
-        blocks = [x]
-    else:
-        try:
-            blocks = [x.view(-1, x.shape[-1])]
-        except RuntimeError:
-            blocks = [b for i in range(x.shape[0]) for b, _ in (_two_d(x[i]) or [(None, 0)])]
-            if any(b is None for b in blocks):
-                return None
-    out, at = [], 0
-    for b in blocks:
-        if b.numel() == 0:
-            continue
-        if b.stride(1) != 1 and b.shape[1] != 1:
-            return None
-        out.append((b, at))
-        at += b.numel()
-    return out
 
 
 class GpuSums:
@@ -219,10 +192,10 @@ class GpuSums:
                 if piece.dtype not in _KIND or piece.device.type != "cuda":
                     return None
                 device = piece.device
-                blocks = _two_d(piece)
-                if blocks is None:
+                parts = blocks(piece)
+                if parts is None:
                     return None
-                for b, at in blocks:
+                for b, at in parts:
                     h, w = b.shape
                     kind = _KIND[b.dtype]
                     pieces.append((kind, b.data_ptr(), b.stride(0), h, w, start + at, route))

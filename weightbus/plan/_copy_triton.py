@@ -117,6 +117,16 @@ def blocks(x: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
     return out
 
 
+def tiles(shapes: Sequence[tuple[int, int]], rows: int, cols: int) -> np.ndarray:
+    """``(block, tile row, tile column)`` int32 of every ``rows x cols`` tile of blocks of
+    ``shapes`` (their ``(rows, width)``): one program each in a table kernel."""
+    out = [np.zeros((0, 3), np.int64)]
+    for k, (h, w) in enumerate(shapes):
+        tr, tc = np.meshgrid(np.arange(-(-h // rows)), np.arange(-(-w // cols)), indexing="ij")
+        out.append(np.stack([np.full(tr.size, k), tr.ravel(), tc.ravel()], 1))
+    return np.concatenate(out).astype(np.int32)
+
+
 def words(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as integers of its element size (None for sizes the kernel does not copy)."""
     size = x.element_size()
@@ -153,13 +163,8 @@ class CopyTable:
                 device = region.device
         self.groups = []
         for (kind, aligned), rows in sorted(by.items()):
-            tiles = []
-            for k, (*_, h, w) in enumerate(rows):
-                tr, tc = np.meshgrid(
-                    np.arange(-(-h // (_BR * _GROUP))), np.arange(-(-w // _BC)), indexing="ij"
-                )
-                tiles.append(np.stack([np.full(tr.size, k), tr.ravel(), tc.ravel()], 1))
-            t = torch.from_numpy(np.concatenate(tiles).astype(np.int32)).to(device)
+            grid = tiles([(h, w) for *_, h, w in rows], _BR * _GROUP, _BC)
+            t = torch.from_numpy(grid).to(device)
             b = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(-1, _FIELDS)).to(device)
             self.groups.append((kind, aligned, t, b, len(t)))
         self.device = device
