@@ -19,6 +19,8 @@ tile row, tile column) are built on the host once per bucket geometry and buffer
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -36,6 +38,8 @@ _GROUP = 16
 _PIECE = 6  # int64 per piece: address, row stride, rows, width, first position, route
 _KIND = {torch.uint8: 0, torch.int16: 1, torch.int32: 2}
 _CACHED = 1024  # tables kept per verifier (buckets x staging buffers)
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Triton's interpreter (tests): CPU tensors run the kernels too."""
 
 
 @triton.jit
@@ -167,7 +171,8 @@ class GpuSums:
             return None
         device = next(p.device for route in words for p, _ in route)
         out = torch.zeros((table.routes, 2), dtype=torch.int64, device=device)
-        with torch.cuda.device(device):
+        on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with on:
             for kind, aligned, tiles, pieces, n in table.groups:
                 _sums_kernel[(n,)](
                     tiles,
@@ -189,7 +194,7 @@ class GpuSums:
         device = None
         for route, parts in enumerate(words):
             for piece, start in parts:
-                if piece.dtype not in _KIND or piece.device.type != "cuda":
+                if piece.dtype not in _KIND or (piece.device.type != "cuda" and not INTERPRETED):
                     return None
                 device = piece.device
                 parts = blocks(piece)

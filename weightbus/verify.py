@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -84,6 +85,7 @@ LEVELS = ("off", "checksum", "full")
 PRIME = 2**31 - 1
 """Modulus of the position-weighted sum (a prime: products of two residues fit in int64)."""
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on CPU tensors
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 _ROW = 4096  # words per row when a contiguous route is cut into rows
 _MIN_ROW = 64  # a contiguous route whose last dim is shorter is cut into _ROW-word rows
@@ -309,7 +311,8 @@ class Verifier:
             raise WeightbusError(
                 f"bucket {op.bucket}: {len(views)} views for {len(op.copies)} routes"
             )
-        sums = self._on_gpu(views) if views and views[0].is_cuda else None
+        kernel = views and (views[0].is_cuda or _INTERPRETED)
+        sums = self._on_gpu(views) if kernel else None
         self._pending[op.bucket] = (
             sums if sums is not None else route_sums(views, cache=self._cache)
         )

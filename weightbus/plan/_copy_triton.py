@@ -15,6 +15,7 @@ sync) and the buffer alive (a session's staging buffers live as long as its epoc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -173,7 +174,12 @@ class CopyTable:
         """Copy every block (on the current stream of the tables' device)."""
         if self.device is None:
             return
-        with torch.cuda.device(self.device):
+        on = (
+            torch.cuda.device(self.device)
+            if self.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with on:
             for kind, aligned, tiles, table, n in self.groups:
                 _copy_kernel[(n,)](
                     tiles, table, KIND=kind, ALIGNED=aligned, BR=_BR, BC=_BC, GROUP=_GROUP
