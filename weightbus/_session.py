@@ -53,8 +53,7 @@ class SyncConfig:
     ignore_unread: tuple[str, ...] = ()
     """fnmatch patterns of writer tensors no reader needs."""
     direct_bytes: int = 4 * MiB
-    """Routes this large travel alone and, where contiguous and needing no cast, in place
-    (not with codecs: their buckets are always staged, so every route is packed)."""
+    """Routes this large travel alone and, where contiguous and needing no cast, in place."""
     transport: str | Mapping[str, str] = "auto"
     """"auto" (choose per link from hosts, GPUs and processes), one transport name for every
     link ("nccl"), or per link class (``{"same_host": "nccl"}``, or ``"same_host=nccl"``;
@@ -338,10 +337,6 @@ class _Session:
         epoch and whose layout cannot be planned is refused, and the others planned without
         it; the others' own disagreements raise as usual."""
         options = self.config.plan_options()
-        if self.config.codecs().active:
-            # coded buckets are always staged (encoded), so a route travelling alone would only
-            # add a bucket: staged pipelines pay per bucket (S6 sent one per large tensor, 241)
-            options = dataclasses.replace(options, direct_bytes=0)
         if not readers:
             raise MembershipError(
                 f"{self.name}: no reader is left in membership epoch {self.control.epoch} of "
