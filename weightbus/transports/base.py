@@ -338,14 +338,13 @@ class Transport:
         first = 0
         try:
             while True:
-                if self._failed:
-                    self._lost(self._failed[0])
+                self._raise_if_lost()
                 while first < len(handles) and handles[first].done():
                     first += 1
                 if first == len(handles):
                     bad = [h for h in handles if h.error is not None]
                     if bad:
-                        self._lost(bad[0])
+                        self._lost_by(bad[0])
                     return
                 self.control.raise_if_failed()
                 now = time.monotonic()
@@ -358,6 +357,17 @@ class Transport:
             raise
         except BaseException as e:  # interrupted: still leave nothing in flight
             self._give_up(e)
+
+    def _raise_if_lost(self) -> None:
+        """In :meth:`wait`: raise if this transport saw an operation fail (a composite
+        transport asks each of its own)."""
+        if self._failed:
+            self._lost(self._failed[0])
+
+    def _lost_by(self, handle: Handle) -> None:
+        """In :meth:`wait`: raise for ``handle``, which failed, as the transport that carried
+        it does (see :meth:`_lost`)."""
+        self._lost(handle)
 
     def close(self) -> None:
         """Release everything; aborts first if operations are still pending. Idempotent."""

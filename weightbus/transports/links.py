@@ -48,7 +48,6 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,11 +55,9 @@ from typing import Any
 
 import torch
 
-from weightbus.errors import PeerFailure, PlanMismatch, SyncTimeout
+from weightbus.errors import PlanMismatch
 from weightbus.spec import Participant
 from weightbus.transports.base import (
-    _POLL_FIRST_S,
-    _POLL_LAST_S,
     TRANSPORT_ENV,
     Handle,
     Program,
@@ -768,40 +765,13 @@ class LinksTransport(Transport):
         sub, target = self._route(peer)
         return sub.pull(target, tag)
 
-    def wait(self, handles: Iterable[Handle], timeout: timedelta | None = None) -> None:
-        """Block until every handle (of any of the transports) is done; as
-        :meth:`Transport.wait`, a failure on any link aborts them all."""
-        self._require_connected()
-        handles = list(handles)
-        assert self.control is not None and self.timeout is not None
-        seconds = (timeout or self.timeout).total_seconds()
-        deadline = time.monotonic() + seconds
-        delay = _POLL_FIRST_S
-        first = 0
-        subs = list(self._subs.values())
-        try:
-            while True:
-                for sub in subs:
-                    if sub._failed:
-                        sub._lost(sub._failed[0])
-                while first < len(handles) and handles[first].done():
-                    first += 1
-                if first == len(handles):
-                    bad = [h for h in handles if h.error is not None]
-                    if bad:
-                        self._via[bad[0].peer.name]._lost(bad[0])
-                    return
-                self.control.raise_if_failed()
-                now = time.monotonic()
-                if now >= deadline:
-                    self._give_up(self._timeout(handles[first:], seconds))
-                handles[first]._event.wait(min(delay, deadline - now))
-                delay = min(delay * 2, _POLL_LAST_S)
-        except (PeerFailure, SyncTimeout) as e:
-            self.abort(str(e))
-            raise
-        except BaseException as e:
-            self._give_up(e)
+    # wait: Transport.wait, with a failure on any link aborting them all
+    def _raise_if_lost(self) -> None:
+        for sub in self._subs.values():
+            sub._raise_if_lost()
+
+    def _lost_by(self, handle: Handle) -> None:
+        self._via[handle.peer.name]._lost_by(handle)
 
     def _close(self) -> None:
         for sub in self._subs.values():
