@@ -5,17 +5,12 @@ run directly with ``TRITON_INTERPRET=1 python -m pytest tests/test_codec_delta.p
 from __future__ import annotations
 
 import collections
-import importlib.util
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.interp import INTERPRETER, run_interpreted
 from tests.test_codec_fp8 import (
     Q,
     W,
@@ -543,7 +538,6 @@ def test_checksum_is_position_dependent():
 # test_delta_gpu.py
 # ---------------------------------------------------------------------------------------------
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
     not INTERPRETER, reason="runs under TRITON_INTERPRET=1 (test_triton_kernels_in_the_interpreter)"
 )
@@ -784,26 +778,7 @@ def test_interp_resharding_syncs_are_bit_exact_and_equal_the_torch_path():
 @pytest.mark.timeout(300)
 def test_triton_kernels_in_the_interpreter():
     """This module's ``test_interp_*`` tests in a child pytest under TRITON_INTERPRET=1."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton)")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        __file__,
-        "-k",
-        "interp_",
-    ]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-8000:]
-    summary = out.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, out[-3000:]
+    run_interpreted(__file__)
 
 
 class _CountedKernel:

@@ -9,47 +9,24 @@ another: races and compile-time problems show only on a GPU (``tests/test_verify
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import re
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.interp import INTERPRETER, run_interpreted
+
 interp = pytest.mark.skipif(
     not INTERPRETER, reason="runs under TRITON_INTERPRET=1 (test_kernels_in_the_interpreter)"
 )
 
 
+@pytest.mark.skipif(INTERPRETER, reason="already in the interpreter")
 def test_kernels_in_the_interpreter():
     """This module's ``test_interp_*`` tests in a child pytest under TRITON_INTERPRET=1."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton)")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        __file__,
-        "-k",
-        "interp_",
-    ]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-8000:]
-    summary = out.strip().splitlines()[-1]
-    assert re.search(r"3 passed", summary) and "skipped" not in summary, out[-3000:]
+    run_interpreted(__file__)
 
 
 def _views(seed: int) -> list[torch.Tensor]:
