@@ -537,31 +537,18 @@ def _canonical(model, version: int) -> dict[str, torch.Tensor]:
 
 
 def _configs(port: int, job: str, n_w: int, n_r: int, **control):
-    from weightbus import SyncConfig
+    """The fault tests' configs, with same-process links over ``local`` (the others: gloo)."""
+    from tests.test_faults_membership import configs
 
-    c = ControlConfig(
-        num_writers=n_w,
-        num_readers=n_r,
-        address=f"127.0.0.1:{port}",
-        host_store=False,
-        job=job,
-        timeout=timedelta(seconds=20),
-        heartbeat_interval=timedelta(milliseconds=200),
-        heartbeat_timeout=timedelta(seconds=2),
-        rejoin_timeout=timedelta(seconds=10),
-        **control,
-    )
-    s = SyncConfig(
-        cast={"float32": "bfloat16"},
-        bucket_bytes=1 << 20,
-        staging_buffers=2,
-        direct_bytes=4096,
-        transport={"cpu_same_process": "local"},  # the other links stay automatic: gloo
+    return configs(
+        port,
+        n_w,
+        n_r,
+        job,
+        control=control,
+        transport={"cpu_same_process": "local"},
         sync_timeout=timedelta(seconds=15),
-        step_timeout=timedelta(seconds=30),
-        connect_timeout=timedelta(seconds=20),
     )
-    return c, s
 
 
 def _writer(model, rank: int, n_w: int):
