@@ -91,26 +91,15 @@ def _group(port: int, prefix: str, rank: int, world: int, gpu: int) -> None:
 
 def _configs(a):
     """The job's control and sync configs, the same on every participant."""
-    from weightbus import ControlConfig, SyncConfig
+    from weightbus.bench.gpu import bench_configs
 
-    control = ControlConfig(
-        num_writers=len(TRAINER_GPUS),
-        num_readers=len(ENGINE_GPUS),
-        address=f"127.0.0.1:{a.port}",
-        host_store=False,
-        job=f"bench-S4e-{a.tag}",
-        timeout=dt.timedelta(seconds=300),
-    )
-    sync = SyncConfig(
-        bucket_bytes=a.bucket_mb << 20,
-        transport=a.transport,
-        sync_timeout=dt.timedelta(seconds=120),
-        verify=getattr(a, "verify", "off"),
-        apply=getattr(a, "apply", "in_place"),
+    return bench_configs(
+        a,
+        f"bench-S4e-{a.tag}",
+        len(TRAINER_GPUS),
+        len(ENGINE_GPUS),
         connect_timeout=dt.timedelta(seconds=300),
-        step_timeout=dt.timedelta(seconds=300),
     )
-    return control, sync
 
 
 def _loop(side, role: str, a, before_last=None) -> tuple[list, object]:

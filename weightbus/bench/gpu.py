@@ -183,7 +183,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
     try:
         import torch
 
-        from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
+        from weightbus import BoundLayout, Participant, Reader, Writer
         from weightbus.layouts.describe import build_layouts
         from weightbus.layouts.families import model_spec
         from weightbus.plan import allocate, fill_from_canonical, poison
@@ -210,24 +210,15 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             if args.scenario != "S7":
                 del canon
         torch.cuda.synchronize()
-        control = ControlConfig(
-            num_writers=args.n_writers,
-            num_readers=args.n_readers,
-            address=f"127.0.0.1:{args.port}",
-            host_store=False,
-            job=f"bench-{args.scenario}-{args.scenario_transport or 'auto'}",
-            timeout=dt.timedelta(seconds=300),
-        )
         extra = {} if args.direct_mb is None else {"direct_bytes": args.direct_mb << 20}
-        sync = SyncConfig(
+        control, sync = bench_configs(
+            args,
+            f"bench-{args.scenario}-{args.scenario_transport or 'auto'}",
+            args.n_writers,
+            args.n_readers,
             **extra,
-            bucket_bytes=args.bucket_mb << 20,
             staging_buffers=args.staging,
             transport=transport,
-            sync_timeout=dt.timedelta(seconds=120),
-            verify=getattr(args, "verify", "off"),
-            apply=getattr(args, "apply", "in_place"),
-            step_timeout=dt.timedelta(seconds=300),
             **codecs,
         )
         bound = BoundLayout(layout=layout, tensors=tensors)
@@ -518,6 +509,31 @@ def _plot(result: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def bench_configs(args, job: str, writers: int, readers: int, **sync):
+    """A bench job's control and sync configs, the same on every participant: ``args`` gives
+    the port, bucket size, transport and the :func:`add_sync_flags`; ``sync`` adds or
+    overrides SyncConfig fields."""
+    from weightbus import ControlConfig, SyncConfig
+
+    control = ControlConfig(
+        num_writers=writers,
+        num_readers=readers,
+        address=f"127.0.0.1:{args.port}",
+        host_store=False,
+        job=job,
+        timeout=dt.timedelta(seconds=300),
+    )
+    fields = dict(
+        bucket_bytes=args.bucket_mb << 20,
+        transport=args.transport,
+        sync_timeout=dt.timedelta(seconds=120),
+        verify=getattr(args, "verify", "off"),
+        apply=getattr(args, "apply", "in_place"),
+        step_timeout=dt.timedelta(seconds=300),
+    )
+    return control, SyncConfig(**(fields | sync))
 
 
 def add_sync_flags(p: argparse.ArgumentParser) -> None:

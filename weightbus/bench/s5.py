@@ -113,25 +113,15 @@ def _barrier(store, key: str, n: int, timeout_s: float = 600.0) -> None:
 
 
 def _configs(args):
-    from weightbus import ControlConfig, SyncConfig
+    from weightbus.bench.gpu import bench_configs
 
-    control = ControlConfig(
-        num_writers=args.gpus * args.chunks,
-        num_readers=args.gpus,
-        address=f"127.0.0.1:{args.port}",
-        host_store=False,
-        job=f"bench-S5-{args.tag}",
-        timeout=dt.timedelta(seconds=300),
-    )
-    sync = SyncConfig(
-        bucket_bytes=args.bucket_mb << 20,
-        transport=args.transport,
-        sync_timeout=dt.timedelta(seconds=120),
-        verify=getattr(args, "verify", "off"),
-        apply=getattr(args, "apply", "in_place"),
+    return bench_configs(
+        args,
+        f"bench-S5-{args.tag}",
+        args.gpus * args.chunks,
+        args.gpus,
         step_timeout=dt.timedelta(seconds=600),
     )
-    return control, sync
 
 
 def _source_worker(rank: int, args, q) -> None:
