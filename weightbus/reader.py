@@ -253,10 +253,7 @@ class Reader(_Session):
                 landed = getattr(transport, "landed", None)
                 for op in direct_ops:
                     after = landed(op.peer_global, op.bucket) if landed is not None else ()
-                    if after:
-                        verifier.add(op, functools.partial(region_views, op, tensors), after)
-                    else:
-                        verifier.add(op, region_views(op, tensors))
+                    verifier.add(op, functools.partial(region_views, op, tensors), after)
                 phases["verify"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once
