@@ -88,7 +88,9 @@ def _open(desc: list) -> torch.UntypedStorage:
 
 
 _Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, width, rows)
-_RELAY_CHUNKS = 32  # relay events per sync and hop (fewer with a small topic window)
+# relay events per sync and hop (fewer with a small topic window): each hop of a chain runs
+# one chunk behind the one before
+_RELAY_CHUNKS = int(os.environ.get("WEIGHTBUS_IPC_RELAY_CHUNKS", "32"))
 # a bucket with this many memcpys queues them as one CUDA graph (captured at the first sync):
 # one launch instead of a runtime call of a few microseconds per region
 _GRAPH_JOBS = int(os.environ.get("WEIGHTBUS_IPC_GRAPH_MEMCPYS", "32"))
