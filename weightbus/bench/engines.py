@@ -111,9 +111,9 @@ def _loop(side, role: str, a, before_last=None) -> tuple[list, object]:
     for i in range(total):
         if i == total - 1 and before_last is not None:
             before_last()
-        side.control.post(f"bench-ready/{i}", {})
-        side.control.gather(f"bench-ready/{i}")
         with profiled(f"S4e-{role}-{side.bound.layout.rank}", i, a.warmup):
+            side.control.post(f"bench-ready/{i}", {})  # after the profilers' start-up
+            side.control.gather(f"bench-ready/{i}")
             result = side.sync(i + 1) if role == "writer" else side.wait()
         if a.warmup <= i < total - 1:
             times.append(result.seconds)

@@ -245,9 +245,11 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                 for t in tensors.values():
                     poison(t)
                 torch.cuda.synchronize()
-            cp.post(f"bench-ready/{i}", {})
-            cp.gather(f"bench-ready/{i}")
+            # a profiled sync's profilers start before the barrier, so that their start-up
+            # does not delay one participant's sync
             with profiled(f"{args.scenario}-{role}-{rank}", i, args.warmup):
+                cp.post(f"bench-ready/{i}", {})
+                cp.gather(f"bench-ready/{i}")
                 if role == "writer":
                     result = side.sync(i + 1)
                 else:

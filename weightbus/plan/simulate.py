@@ -73,9 +73,10 @@ CUDA IPC (``transport="cuda_ipc"``; everything above is the default ``"staged"``
     is one copy-engine copy (contiguous or 2-D strided, both assumed at full rate); a route
     that casts runs a copy kernel instead, assumed at the same rate (not measured). Relays:
     buckets that a writer sends several readers with the same source regions in the same order
-    (engine replicas, replicated norms of tensor-parallel readers) are pulled by the first of
-    those readers from the writer and by each next one from the reader before it (``fanout=
-    False`` turns relays off). A reader takes its sources (writers, upstream readers) one at a
+    (engine replicas) are pulled by the first of those readers from the writer and by each next
+    one from the reader before it, where that cuts the writer's bytes out enough (the
+    transport's rule, ``relay_pays``; not for tensor-parallel readers' replicated tensors)
+    (``fanout=False`` turns relays off). A reader takes its sources (writers, upstream readers) one at a
     time, sorted writers first, starting at source ``i mod n`` for reader ``i``. A fluid
     simulation runs those per-reader sequences: between events, a same-GPU copy runs at
     ``copy_gbps`` (bytes copied per second) shared among that GPU's same-GPU copies, and a
@@ -687,6 +688,18 @@ def _simulate_ipc(
                 upstream[k] = last[key]
                 hops[k] = hops[last[key]] + 1
             last[key] = k
+        # only where the chains cut a writer's bytes out enough (as the transport decides)
+        from weightbus.transports.cuda_ipc import relay_pays
+
+        ingress = np.bincount(b.dst, weights=b.nbytes, minlength=n_r)
+        for w in range(n_w):
+            mine = b.src == w
+            direct = int(b.nbytes[mine].sum())
+            relayed = direct - int(b.nbytes[mine & (upstream >= 0)].sum())
+            busiest = int(ingress[np.unique(b.dst[mine])].max()) if mine.any() else 0
+            if not relay_pays(direct, relayed, busiest):
+                upstream[mine] = -1
+                hops[mine] = 0
     # the source of each bucket: writer w -> w, upstream reader q -> n_w + q
     source = np.where(upstream >= 0, n_w + b.dst[np.maximum(upstream, 0)], b.src).astype(np.int64)
     src_gpu = np.concatenate([wgpu, rgpu])[source]

@@ -31,7 +31,9 @@ next one pulls it from the reader before it, so every GPU sends each byte once a
 links are not shared three ways. The upstream reader records an interprocess event after each
 chunk of relayed buckets (1/32 of them) and posts a control message saying so; the downstream
 reader's copies wait for those events on the GPU, so the chain is pipelined, one chunk behind
-per hop, with no per-bucket message.
+per hop, with no per-bucket message. Chains are made only where they cut the writer's bytes out
+(:func:`relay_pays`): fan-out to engine replicas, not a tensor-parallel engine's replicated
+tensors.
 
 Where the copies run: on streams of the source's GPU (its copy engines push), created by the
 reader process. torch runs a cross-GPU ``copy_`` (the fallback) there too, borrowing the
@@ -91,16 +93,19 @@ _Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, w
 # relay events per sync and hop (fewer with a small topic window): each hop of a chain runs
 # one chunk behind the one before
 _RELAY_CHUNKS = int(os.environ.get("WEIGHTBUS_IPC_RELAY_CHUNKS", "32"))
+# relays are used when they cut a writer's bytes out by more than this factor (relay_pays)
+_RELAY_GAIN = float(os.environ.get("WEIGHTBUS_IPC_RELAY_GAIN", "1.25"))
 # a bucket with this many memcpys queues them as one CUDA graph (captured at the first sync):
 # one launch instead of a runtime call of a few microseconds per region
 _GRAPH_JOBS = int(os.environ.get("WEIGHTBUS_IPC_GRAPH_MEMCPYS", "32"))
+_RELAY_WAITER = os.environ.get("WEIGHTBUS_IPC_RELAY_WAITER", "1") != "0"  # TEMP A/B
 _GRAPH_FAILED: list[str] = []  # the first capture failure of this process (warned once)
 
 
 class _Source:
     """A process whose GPU memory this reader pulls from: a writer, or an upstream reader."""
 
-    __slots__ = ("device", "event", "last_ready", "name", "side", "stream")
+    __slots__ = ("device", "event", "last_ready", "name", "side", "stream", "waiter")
 
     def __init__(self, name: str, device: torch.device, reader_device: torch.device) -> None:
         self.name = name
@@ -112,6 +117,8 @@ class _Source:
         # ``side``: on the reader's GPU, which torch fences such a ``copy_`` with
         self.stream = torch.cuda.Stream(device)
         self.side = self.stream if device == reader_device else torch.cuda.Stream(reader_device)
+        # an upstream reader's: waits for its interprocess events, off ``stream`` (below)
+        self.waiter: torch.cuda.Stream | None = None
 
 
 class _Bucket:
@@ -237,18 +244,42 @@ def _check_table(table: dict, who: str, topic: str, participants: int) -> dict:
     return table
 
 
+def relay_pays(direct: int, relayed: int, ingress: int) -> bool:
+    """Whether a writer's readers should pass its identical buckets down a chain rather than
+    each pull them from the writer: only when the writer's copies out, every reader pulling
+    from it (``direct`` bytes), exceed ``_RELAY_GAIN`` x the larger of what it sends with the
+    relays (``relayed``) and what its busiest reader takes in (``ingress``). A relay frees the
+    writer's link but cannot make a reader take its bytes in faster, and each hop adds a chunk
+    of lag and an upstream to wait for: a tensor-parallel engine's replicated embedding
+    pulled from the other rank (8.55 GB out of each writer either way) made that rank finish
+    last."""
+    return direct > _RELAY_GAIN * max(relayed, ingress)
+
+
 def _relays(tables: dict[str, dict], roster) -> dict[tuple[int, int], tuple[int, int, int]]:
     """Chains of identical buckets: (reader, writer, tag) keyed by (reader, tag) -> the
-    upstream (reader, tag) it pulls from. Identical = same writer, same regions, same order."""
+    upstream (reader, tag) it pulls from. Identical = same writer, same regions, same order.
+    Only for writers whose links the chains relieve (:func:`relay_pays`)."""
+    ingress: dict[int, int] = {}  # reader -> the bytes it takes in from every writer
+    for t in tables.values():
+        for peer, _tag, nbytes, _copies in t["buckets"]:
+            ingress[peer] = ingress.get(peer, 0) + nbytes
     upstream: dict[tuple[int, int], tuple[int, int, int]] = {}
     for name, t in tables.items():
         writer = roster.global_rank(name)
         last: dict[bytes, tuple[int, int]] = {}
-        for peer, tag, _nbytes, copies in sorted(t["buckets"], key=lambda b: (b[0], b[1])):
+        chains: dict[tuple[int, int], tuple[int, int, int]] = {}
+        direct = saved = 0
+        for peer, tag, nbytes, copies in sorted(t["buckets"], key=lambda b: (b[0], b[1])):
+            direct += nbytes
             key = msgpack.packb(copies)
             if key in last and last[key][0] != peer:
-                upstream[(peer, tag)] = (*last[key], writer)
+                chains[(peer, tag)] = (*last[key], writer)
+                saved += nbytes
             last[key] = (peer, tag)
+        busiest = max((ingress[b[0]] for b in t["buckets"]), default=0)
+        if chains and relay_pays(direct, direct - saved, busiest):
+            upstream.update(chains)
     return upstream
 
 
@@ -655,8 +686,18 @@ class CudaIpcTransport(Transport):
                 schema=SIGNAL,
             )
             # an interprocess event is waited on a stream of its own GPU (a wait from a stream
-            # of another GPU crashed the process on H200s), then handed on
-            src.stream.wait_event(b.ready)
+            # of another GPU crashed the process on H200s), then handed on. Not on the copy
+            # stream: on H200s each such wait held the stream ~0.15 ms even when the event had
+            # fired long before (32 chunks x 2 hops: +5 ms on a 1 -> 3 fan-out); a stream of
+            # its own takes that while the copies run, and the copy stream waits for it through
+            # an event of this process
+            if _RELAY_WAITER:
+                if src.waiter is None:
+                    src.waiter = torch.cuda.Stream(src.device)
+                src.waiter.wait_event(b.ready)
+                src.stream.wait_stream(src.waiter)
+            else:
+                src.stream.wait_event(b.ready)
             if b.pairs and src.side is not src.stream:
                 src.side.wait_stream(src.stream)
             src.last_ready = b.ready
