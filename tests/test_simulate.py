@@ -344,8 +344,8 @@ def test_ipc_relay_chain_one_chunk_behind_per_hop():
     pred = simulate(plan, _ipc_cluster(), IPC)
     assert pred.stats["relay_hops"] == 2
     assert pred.stats["forward_bytes"] == pytest.approx(2 * model)
-    # each hop runs at the full rate, starting one chunk (1/32 of the relayed bytes) later
-    assert pred.phases["copies"] == pytest.approx((model + 2 * model / 32) / (10 * GBs), rel=1e-6)
+    # each hop runs at the full rate, starting one chunk (1/64 of the relayed bytes) later
+    assert pred.phases["copies"] == pytest.approx((model + 2 * model / 64) / (10 * GBs), rel=1e-6)
     # without relays the writer's copy engines serve the three readers at once: 10 GB/s in all
     no_relay = simulate(plan, _ipc_cluster(), SimOptions(transport="cuda_ipc", fanout=False))
     assert no_relay.phases["copies"] == pytest.approx(3 * model / (10 * GBs), rel=1e-6)

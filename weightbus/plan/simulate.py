@@ -85,7 +85,7 @@ CUDA IPC (``transport="cuda_ipc"``; everything above is the default ``"staged"``
     bench host: one copy 392.7 GB/s, two disjoint pairs ~787 in all, one GPU to three ~395 in
     all, 2 x 2 crossing copies ~400 in all; a 3-hop chain measured ~380 per hop, where the rule
     says 392.7 (no cost for a GPU that receives and sends at once). A relayed copy starts once
-    its upstream reader has done one chunk (1/32 of what that reader relays) and runs no faster
+    its upstream reader has done one chunk (1/64 of what that reader relays) and runs no faster
     than its upstream while one chunk behind. Queueing a copy costs the reader ``ipc_call_s``
     of CPU, overlapped with the copies (the slower of the two counts), and a sync adds
     ``ipc_control_s`` (begin, acknowledgements, commit). Left out: copies of different readers
@@ -796,8 +796,9 @@ def _fed(
     return got, any(not finished[u] for u in feed[i])
 
 
-RELAY_CHUNKS = 32
-"""A relaying reader signals its downstream reader after each 1/32 of the bytes it relays."""
+RELAY_CHUNKS = 64
+"""A relaying reader signals its downstream reader after each 1/64 of the bytes it relays (the
+cuda_ipc transport's default)."""
 
 
 def _ipc_timeline(
