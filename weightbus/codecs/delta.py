@@ -325,7 +325,7 @@ the bucket is filled into scratch first. The same tuple object while the views s
 
 _IMPLS = ("auto", "torch", "triton")
 TRITON_ENV = "WEIGHTBUS_DELTA_TRITON"
-"""Set to 1 for the Triton kernels on CUDA under ``impl="auto"`` (default: torch ops)."""
+"""Set to 0 for torch ops on CUDA under ``impl="auto"`` (default there: the Triton kernels)."""
 _WIDE = 2**31
 """Routes of at least this many elements number them with 8-byte indices, others 4-byte."""
 # what the emit pass does with a route (a plan row's kind, shared with the Triton kernels):
@@ -351,10 +351,7 @@ def _kernels(impl: str, device: torch.device, who: str):
     """The Triton kernels module for ``impl`` on ``device``, or None (torch ops)."""
     if impl not in _IMPLS:
         raise ValueError(f"{who}: impl={impl!r} must be one of {_IMPLS}")
-    if impl == "auto" and os.environ.get(TRITON_ENV) != "1":
-        # the kernels pass against the torch path in Triton's interpreter and in an S7 run on
-        # H200s, but a resharding test with a transposed engine tensor failed on a GPU at its
-        # 4th sync: opt in until that is found
+    if impl == "auto" and os.environ.get(TRITON_ENV) == "0":
         return None
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return None
