@@ -116,6 +116,21 @@ def test_failed_sync_keeps_transactional_and_flags_in_place(store, fault, faulty
         assert same_bits(bound.tensors, expected(bound, model, 1)) != []
 
 
+# a Llama of ~7 MB in bfloat16: with a codec on, routes under bucket_bytes (1 MiB here) share
+# buckets, and each tensor-parallel reader of this model still takes several
+SEVERAL_BUCKETS = {
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
 @pytest.mark.timeout(60)
 def test_in_place_reader_is_dirty_and_the_next_sync_heals_it(store):
     """Deltas on: sync 2 fails on reader-0 after bytes landed. Its codec then claims nothing
@@ -126,7 +141,7 @@ def test_in_place_reader_is_dirty_and_the_next_sync_heals_it(store):
     from weightbus.layouts.families import model_spec
     from weightbus.plan import fill_from_canonical
 
-    model = model_spec(MODEL)
+    model = model_spec(SEVERAL_BUCKETS)
     delta = DeltaConfig()
     state: dict = {}
 
@@ -139,6 +154,7 @@ def test_in_place_reader_is_dirty_and_the_next_sync_heals_it(store):
             with Reader(bound, control, config) as reader:
                 reader.wait()
                 if rank == 0:
+                    assert len(reader.ops) >= 3, len(reader.ops)  # some land before the fault
                     op = reader.ops[len(reader.ops) // 2]  # its directory: decoding fails
                     reader.transport.arm(op.bucket, 0)
                 try:

@@ -53,7 +53,8 @@ class SyncConfig:
     ignore_unread: tuple[str, ...] = ()
     """fnmatch patterns of writer tensors no reader needs."""
     direct_bytes: int = 4 * MiB
-    """Routes this large travel alone and, where contiguous and needing no cast, in place."""
+    """Routes this large travel alone and, where contiguous and needing no cast, in place (with
+    a codec on, only routes of ``bucket_bytes`` and more travel alone: see plan_options)."""
     transport: str | Mapping[str, str] = "auto"
     """"auto" (choose per link from hosts, GPUs and processes), one transport name for every
     link ("nccl"), or per link class (``{"same_host": "nccl"}``, or ``"same_host=nccl"``;
@@ -109,12 +110,19 @@ class SyncConfig:
             object.__setattr__(self, "transport", check_choice(self.transport))
 
     def plan_options(self) -> PlanOptions:
-        """The planner's options from this config's plan-related fields."""
+        """The planner's options from this config's plan-related fields. With a codec on, a
+        route travels in a bucket of its own only from ``bucket_bytes`` up (``direct_bytes``
+        is raised to it): codecs encode into staging buffers and decode out of them, so no
+        route lands in place, and a bucket per large route only adds staged rounds (FP8 on
+        Llama-3-8B, 256 MiB buckets: 67 instead of 241)."""
+        direct = self.direct_bytes
+        if direct > 0 and (self.fp8 is not None or self.delta is not None):
+            direct = max(direct, self.bucket_bytes)
         return PlanOptions(
             bucket_bytes=self.bucket_bytes,
             cast=dict(self.cast),
             ignore_unread=self.ignore_unread,
-            direct_bytes=self.direct_bytes,
+            direct_bytes=direct,
         )
 
     def codecs(self) -> CodecConfig:
