@@ -163,3 +163,35 @@ def test_pulls_are_queued_source_by_source_in_issue_order(monkeypatch):
         issued.clear()
     # each next source's streams waited for the one before it
     assert "a" in sources[1].stream.waits and "b" in sources[2].stream.waits
+
+
+def test_replicated_tensors_are_relayed_only_where_that_cuts_the_writers_bytes():
+    """Two tensor-parallel ranks that both hold a replicated tensor (an embedding) from one
+    writer: each takes in as much as the writer sends either way, so no chain; three whole
+    replicas: the writer would send 3x what a reader takes in, so the chains stay."""
+    from weightbus.control.store import Roster
+    from weightbus.spec import Participant
+    from weightbus.transports.cuda_ipc import _relays, relay_pays
+
+    w = Participant(role="writer", rank=0)
+    rs = [Participant(role="reader", rank=i) for i in range(3)]
+    roster = Roster.of([w, *rs])
+    r0, r1, r2 = (roster.global_rank(r.name) for r in rs)
+    emb = [[0, [[0, 1024], [0, 64]], 0, 131072]]  # the same regions for both ranks
+    tp = {  # a replicated embedding bucket each, then each rank's own half of the rest
+        w.name: {
+            "buckets": [
+                [r0, 0, 131072, emb],
+                [r0, 1, 1 << 20, [[1, [[0, 512]], 0, 1 << 20]]],
+                [r1, 2, 131072, emb],
+                [r1, 3, 1 << 20, [[1, [[512, 1024]], 0, 1 << 20]]],
+            ]
+        }
+    }
+    assert _relays(tp, roster) == {}
+    replicas = {w.name: {"buckets": [[r, r, 1 << 20, emb] for r in (r0, r1, r2)]}}
+    assert _relays(replicas, roster) == {(r1, r1): (r0, r0, 0), (r2, r2): (r1, r1, 0)}
+    # the rule itself: 3 GB out instead of 1 GB, readers taking 1 GB each: relay
+    assert relay_pays(3 << 30, 1 << 30, 1 << 30)
+    # S4e's writers: 8.55 GB out without relays, 8.03 with, each reader taking 8.56 in: no
+    assert not relay_pays(855 << 20, 803 << 20, 856 << 20)

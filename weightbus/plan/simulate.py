@@ -75,9 +75,9 @@ CUDA IPC (``transport="cuda_ipc"``; everything above is the default ``"staged"``
     buckets that a writer sends several readers with the same source regions in the same order
     (engine replicas) are pulled by the first of those readers from the writer and by each next
     one from the reader before it, where that cuts the writer's bytes out enough (the
-    transport's rule, ``relay_pays``; not for tensor-parallel readers' replicated tensors)
-    (``fanout=False`` turns relays off). A reader takes its sources (writers, upstream readers) one at a
-    time, sorted writers first, starting at source ``i mod n`` for reader ``i``. A fluid
+    transport's rule, ``relay_pays``; not for tensor-parallel readers' replicated tensors;
+    ``fanout=False`` turns relays off). A reader takes its sources (writers, upstream readers)
+    one at a time, sorted writers first, starting at source ``i mod n`` for reader ``i``. A fluid
     simulation runs those per-reader sequences: between events, a same-GPU copy runs at
     ``copy_gbps`` (bytes copied per second) shared among that GPU's same-GPU copies, and a
     copy between GPUs at ``ipc_gbps / (copies out of its source GPU x copies into its

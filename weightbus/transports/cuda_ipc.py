@@ -687,9 +687,9 @@ class CudaIpcTransport(Transport):
             # an interprocess event is waited on a stream of its own GPU (a wait from a stream
             # of another GPU crashed the process on H200s), then handed on. Not on the copy
             # stream: on H200s each such wait held the stream ~0.15 ms even when the event had
-            # fired long before (1 -> 3 fan-out, 32 chunks: 50.9 ms, 46.7 off the stream); a stream of
-            # its own takes that while the copies run, and the copy stream waits for it through
-            # an event of this process
+            # fired long before (1 -> 3 fan-out, 32 chunks: 50.9 ms, 46.7 off the stream); a
+            # stream of its own takes that while the copies run, and the copy stream waits for
+            # it through an event of this process
             if src.waiter is None:
                 src.waiter = torch.cuda.Stream(src.device)
             src.waiter.wait_event(b.ready)
