@@ -187,6 +187,40 @@ def change(canon, g, fraction):
             bits[j] = nan + int(torch.randint(1, 60, (1,), generator=g))
 
 
+@pytest.mark.parametrize("window", [1, 3000, 1 << 30])
+def test_a_windows_directories_travel_as_one_message_per_reader(window):
+    """Writer and reader group the directories alike: one message per writer window and
+    reader (per bucket for windows of one bucket), sent with the group's first bucket, and
+    the reader decodes from it alone (run_sync gives each bucket's buffer only its frames)."""
+    from weightbus.codecs.delta import window_index
+
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=window))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    expected = set()
+    for i, w in enumerate(wcs):
+        index = window_index([op.nbytes for op in w.ops], window)
+        expected |= {(op.peer, i, wi) for op, wi in zip(w.ops, index, strict=True)}
+    groups = [(r, rc.group_of(op)) for r, rc in enumerate(rcs) for op in rc.ops]
+    groups = [(r, g) for r, g in groups if g is not None]
+    assert len(groups) == len(expected)  # one per (reader, writer, window) that has buckets
+    if window == 1:
+        assert len(groups) == len(plan.buckets)
+    if window == 1 << 30:
+        assert len(groups) == len({(op.peer, r) for r, rc in enumerate(rcs) for op in rc.ops})
+        assert len(groups) < len(plan.buckets)
+    for version, fraction in ((1, None), (2, 0.05), (3, 0.01)):
+        if fraction is not None:
+            change(canon, torch.Generator().manual_seed(version), fraction)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, canon, t)
+        if version == 1:  # dense; later syncs are deltas against what readers hold
+            for g in got:
+                for x in g.values():
+                    poison(x)
+        run_sync(plan, wcs, rcs, version)  # checks the groups' sizes and the directories
+        assert_exact(rs, got, canon)
+
+
 @pytest.mark.parametrize("variant", ["one window", "small windows", "shadow copied per window"])
 def test_bit_exact_over_50_steps_with_resharding(variant):
     window = 3000 if variant == "small windows" else 1 << 30

@@ -339,6 +339,11 @@ def _tiny_layout(role: str):
             ["writer-0 with no FP8 and no deltas", "reader-0 with no FP8 and deltas"],
         ),
         ({"fp8": 16}, {"fp8": 32}, ["the same codecs with other settings"]),
+        (
+            {"delta": 1 << 20},
+            {"delta": True},
+            ["the same codecs with other settings", "DeltaConfig.window_bytes"],
+        ),
     ],
 )
 def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
@@ -353,8 +358,10 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
         out = {}
         if "fp8" in spec:
             out["fp8"] = Fp8Config(block=spec["fp8"])
-        if spec.get("delta"):
+        if spec.get("delta") is True:
             out["delta"] = DeltaConfig()
+        elif spec.get("delta"):
+            out["delta"] = DeltaConfig(window_bytes=spec["delta"])
         return out
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -430,7 +430,8 @@ class _Session:
                 + "; ".join(parts)
                 + (" (the same codecs with other settings)" if same else "")
                 + ". Pass equal SyncConfig.fp8 (Fp8Config, its ignore list included) and "
-                "SyncConfig.delta to every writer and reader",
+                "SyncConfig.delta (DeltaConfig.window_bytes included) to every writer and "
+                "reader",
                 exc.groups,
             )
 

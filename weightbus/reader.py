@@ -359,44 +359,57 @@ class Reader(_Session):
     def _receive_coded(self, version: int, deadline: _Deadline, phases: dict[str, float]) -> int:
         """Receive and decode every bucket of a delta sync; return the bytes received.
 
-        Each bucket is two messages: a directory of fixed size, then the rest, whose size the
-        directory gives. Messages with one writer must be posted in the order it sends them
-        (NCCL matches by order alone), so a bucket's rest is posted before the next bucket
-        from the same writer; buckets from other writers overlap meanwhile.
+        The directories of a writer window's buckets to this reader arrive as one message
+        (before the first bucket's rest); each bucket's rest then has the size its directory
+        gives. Messages with one writer must be posted in the order it sends them (NCCL
+        matches by order alone), so a bucket's rest is posted before the next message from
+        the same writer (when the next bucket from it comes up); buckets from other writers
+        overlap meanwhile, and one wait for a window's directories serves all its buckets.
         """
         codec = self.codec
         assert codec is not None
         codec.begin(version)
         free = deque(self._staging)
         pending: deque[_Incoming] = deque()  # oldest first
-        open_dir: dict[int, _Incoming] = {}  # per writer: the bucket whose rest is not posted
+        open_rest: dict[int, _Incoming] = {}  # per writer: the bucket whose rest is not posted
+        group: dict[int, _Directories] = {}  # per writer: its window's directories
         received = 0
         for op in self.ops:
-            previous = open_dir.pop(op.peer_global, None)
+            previous = open_rest.pop(op.peer_global, None)
             if previous is not None:
                 received += self._resolve(previous, deadline, phases)
+            members = codec.group_of(op)
+            if members is not None:
+                size = sum(directory_bytes(m) for m in members)
+                dirs = torch.empty(size, dtype=torch.uint8, device=self._device)
+                handle = self.transport.recv(op.peer_global, dirs, op.bucket)
+                group[op.peer_global] = _Directories(members, dirs, handle)
             if not free:
                 item = pending.popleft()
                 received += self._decode(item, deadline, phases)
                 free.append(item.buf)
             buf = free.popleft()
-            head = directory_bytes(op)
-            item = _Incoming(op, buf, self.transport.recv(op.peer_global, buf[:head], op.bucket))
+            item = _Incoming(op, buf, group[op.peer_global])
             pending.append(item)
-            open_dir[op.peer_global] = item
+            open_rest[op.peer_global] = item
         while pending:
             received += self._decode(pending.popleft(), deadline, phases)
         return received
 
     def _resolve(self, item: _Incoming, deadline: _Deadline, phases: dict[str, float]) -> int:
-        """Wait for a bucket's directory and post the receive of its rest; return its bytes."""
+        """Read a bucket's directory (waiting for its window's, once) and post the receive of
+        its rest; return its bytes."""
         if item.size:
             return 0
-        t = time.perf_counter()
-        self.transport.wait([item.head], deadline.left())
-        phases["transfer"] += time.perf_counter() - t
+        dirs = item.directories
+        if dirs.raw is None:
+            t = time.perf_counter()
+            self.transport.wait([dirs.handle], deadline.left())
+            phases["transfer"] += time.perf_counter() - t
+            dirs.raw = dirs.buf.cpu().numpy().tobytes()  # one copy for the window
         op, head = item.op, directory_bytes(item.op)
-        used = self.codec.encoded_size(op, item.buf)  # keeps the directory for unpack
+        at = dirs.offset[op.bucket]
+        used = self.codec.take_directory(op, dirs.raw[at : at + head], item.buf)
         if not head <= used <= item.buf.numel():
             raise WeightbusError(
                 f"{self.name}: bucket {op.bucket} from writer {self.plan.writers[op.peer].name!r} "
@@ -427,16 +440,33 @@ class Reader(_Session):
         return got
 
 
+class _Directories:
+    """The directories of a writer window's buckets to this reader: one message."""
+
+    __slots__ = ("buf", "handle", "offset", "raw")
+
+    def __init__(self, members: tuple[BucketOp, ...], buf: torch.Tensor, handle: Handle) -> None:
+        self.buf, self.handle = buf, handle
+        self.offset: dict[int, int] = {}
+        """Per bucket: where its directory starts in the message."""
+        at = 0
+        for m in members:
+            self.offset[m.bucket] = at
+            at += directory_bytes(m)
+        self.raw: bytes | None = None
+        """The message on the host, once it arrived."""
+
+
 class _Incoming:
-    """A delta bucket being received: its directory's handle, then its rest's."""
+    """A delta bucket being received: its window's directories, then its rest's handle."""
 
-    __slots__ = ("buf", "head", "op", "rest", "size")
+    __slots__ = ("buf", "directories", "op", "rest", "size")
 
-    def __init__(self, op: BucketOp, buf: torch.Tensor, head: Handle) -> None:
-        self.op, self.buf, self.head = op, buf, head
+    def __init__(self, op: BucketOp, buf: torch.Tensor, directories: _Directories) -> None:
+        self.op, self.buf, self.directories = op, buf, directories
         self.rest: Handle | None = None
         self.size = 0
-        """The bucket's encoded bytes, once its directory arrived (0 until then)."""
+        """The bucket's encoded bytes, once its directory was read (0 until then)."""
 
 
 def _free_memory(device: torch.device) -> int:

@@ -48,6 +48,9 @@ class Writer(_Session):
         agree on those blocks' scales every sync
         (``weightbus.codecs.fp8.all_reduce_max(group)``)."""
         self._verifier: Verifier | None = None
+        self._directories: list[torch.Tensor] = []
+        """Deltas: the windows' directories sent in the current sync (host and device
+        copies), kept until their sends are done."""
 
     def _on_build(self) -> None:
         """At connect and in every new membership epoch (once every participant agreed on
@@ -212,6 +215,7 @@ class Writer(_Session):
         t = time.perf_counter()
         codec.begin(version)  # FP8: the amax pass and the writers' all-reduce
         phases["pack"] += time.perf_counter() - t
+        self._directories = []
         total, done, sent = self.bytes_per_sync, 0, 0
         free = deque(self._staging)
         staged: deque = deque()  # (handles, staging buffer), oldest first
@@ -252,16 +256,24 @@ class Writer(_Session):
         t = time.perf_counter()
         transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
         phases["transfer"] += time.perf_counter() - t
+        self._directories = []
         return sent
 
     def _post_coded(self, op: BucketOp, buf: torch.Tensor, n: int) -> list[Handle]:
         """Send the first ``n`` bytes of an encoded bucket: one message, or for deltas the
-        fixed-size directory and then the rest (when there is any)."""
+        rest after the directory (when there is any), preceded for the first bucket of a
+        window to its reader by the directories of all of them."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
         if self.codec.encoder is None:
             return [self.transport.send(op.peer_global, buf[:n], op.bucket)]
+        handles = []
+        group = self.codec.group_directory(op)
+        if group is not None:
+            on_device = group.to(buf.device, non_blocking=True)
+            # both stay alive until the sync is over (the copy and the send read them)
+            self._directories += (group, on_device)
+            handles.append(self.transport.send(op.peer_global, on_device, op.bucket))
         d = directory_bytes(op)
-        handles = [self.transport.send(op.peer_global, buf[:d], op.bucket)]
         if n > d:
             tag = rest_tag(op, len(self.plan.buckets))
             handles.append(self.transport.send(op.peer_global, buf[d:n], tag))

@@ -18,10 +18,12 @@ reader calls ``begin(version)``, ``unpack(op, buf)`` per bucket, and ``end(versi
 committed. :func:`run_sync` does all of it in one process: the reference the tests use;
 :class:`~weightbus.Writer` and :class:`~weightbus.Reader` do it between processes.
 
-On the wire (see :mod:`weightbus.codecs.delta`), a delta bucket is two messages: its header
-and directory, of a size fixed per bucket (tag ``op.bucket``), then, when the bucket holds
-more, the rest (tag :func:`rest_tag`), whose size the reader reads from the directory
-(:meth:`ReaderCodec.encoded_size`, which keeps it for ``unpack``). FP8 buckets are one
+On the wire (see :mod:`weightbus.codecs.delta`), a delta bucket's header and directory (of a
+size fixed per bucket) travel with those of the other buckets of its writer's window to the
+same reader, as one message sent with the first of them (tag ``op.bucket``:
+:meth:`WriterCodec.group_directory`, :meth:`ReaderCodec.group_of`); then, when the bucket
+holds more, the rest (tag :func:`rest_tag`), whose size the reader reads from the directory
+(:meth:`ReaderCodec.take_directory`, which keeps it for ``unpack``). FP8 buckets are one
 message of the plan's size, like uncoded ones.
 
 Everything about a bucket that does not change between syncs is found at connect: the live
@@ -33,6 +35,7 @@ at ``begin`` and re-derives them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,6 +51,7 @@ from weightbus.codecs.delta import (
     DeltaPolicy,
     capacity,
     directory_bytes,
+    window_index,
 )
 from weightbus.codecs.fp8 import (
     FP8_DTYPE,
@@ -85,10 +89,11 @@ class CodecConfig:
     """Sparse deltas against the previous sync (None: every sync sends every byte)."""
 
     def key(self) -> str:
-        """What both sides must agree on (the delta options are the writers' alone)."""
+        """What both sides must agree on: FP8's options; of the delta options only the
+        window (readers group the directories by it), the others are the writers' alone."""
         parts = [
             self.fp8.key() if self.fp8 else "fp8=off",
-            "delta=on" if self.delta else "delta=off",
+            f"delta=on;window={self.delta.window_bytes}" if self.delta else "delta=off",
         ]
         return "|".join(parts)
 
@@ -155,20 +160,36 @@ def _origins(plan: TransferPlan, op: BucketOp) -> tuple[tuple[int, int], ...]:
 class _Packer:
     """How one bucket's dense wire bytes are made from the live tensors, fixed at connect."""
 
-    __slots__ = ("copies", "quantize", "views")
+    __slots__ = ("copied", "copies", "quantize", "views")
 
-    def __init__(self, copies: list, quantize: QuantizePlan | None, views: tuple | None) -> None:
+    def __init__(
+        self, copies: list, copied: BucketOp, quantize: QuantizePlan | None, views: tuple | None
+    ) -> None:
         self.copies = copies
         """Routes copied as they are (or cast): (live region, offset, bytes, dtype, shape)."""
+        self.copied = copied
+        """The same routes as a bucket op, for a :class:`BucketCopier` (one launch on CUDA)."""
         self.quantize = quantize
         """The bucket's FP8 routes, or None."""
         self.views = views
         """Every route's live region when none needs computing (no FP8, no cast), else None."""
 
-    def fill(self, out: torch.Tensor) -> None:
-        """Write the bucket's wire bytes into ``out`` (uint8), each route at its offset."""
-        for src, offset, nbytes, dtype, shape in self.copies:
-            out[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
+    def fill(
+        self,
+        out: torch.Tensor,
+        copier: BucketCopier | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write the bucket's wire bytes into ``out`` (uint8), each route at its offset. With a
+        ``copier`` (and the ``tensors`` the routes are keyed in), the copied routes take one
+        launch instead of a copy each: only for buffers that stay the same (staging), as the
+        copier compiles per buffer."""
+        if copier is not None and tensors is not None:
+            if self.copied.copies:
+                copier.pack(self.copied, tensors, out)
+        else:
+            for src, offset, nbytes, dtype, shape in self.copies:
+                out[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
         if self.quantize is not None:
             self.quantize.run(out)
 
@@ -236,18 +257,27 @@ class WriterCodec:
         self._where = [t.data_ptr() for t in self.live.values()]
         if self.scales is not None:
             self.scales.bind(self.live)
+        # a bucket's copied routes (bf16 ones of an FP8 job: norms, embeddings; the scales)
+        # take one copy launch per pack; found again with the regions
+        self._copier = BucketCopier()
         for op in self.ops:
-            copies, quant, views = [], [], []
+            copies, copied, quant, views = [], [], [], []
             for i, c in enumerate(op.copies):
                 region = self.tensors[c.key][c.index]
                 if c.tensor in self._fp8:
                     quant.append((c.tensor, region, self._origins[op.bucket][i], c.offset))
                 else:
                     copies.append((region, c.offset, c.nbytes, c.dtype, c.shape))
+                    copied.append(c)
                     views.append(region if region.dtype == c.dtype else None)
             plan = self.scales.plan(quant) if quant and self.scales is not None else None
             whole = not quant and all(v is not None for v in views)
-            self._packers[op.bucket] = _Packer(copies, plan, tuple(views) if whole else None)
+            self._packers[op.bucket] = _Packer(
+                copies,
+                dataclasses.replace(op, copies=tuple(copied)),
+                plan,
+                tuple(views) if whole else None,
+            )
 
     def _check_in_place(self) -> None:
         """Re-derive the buckets if a live tensor moved since connect (its storage replaced)."""
@@ -268,6 +298,12 @@ class WriterCodec:
     def directory_bytes(self, op: BucketOp) -> int | None:
         """With deltas: the fixed first part of the bucket, sent before the rest."""
         return directory_bytes(op) if self.encoder else None
+
+    def group_directory(self, op: BucketOp) -> torch.Tensor | None:
+        """Deltas, after :meth:`pack` of ``op``: the directories of its window's buckets to
+        its reader when ``op`` is the first of them (a host tensor), sent before its rest;
+        else None."""
+        return self.encoder.group_directory(op) if self.encoder is not None else None
 
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes of a bucket that may be sent in place (one contiguous route in the
@@ -317,7 +353,7 @@ class WriterCodec:
         if self._version is None:
             raise RuntimeError(f"writer {self.name!r}: begin(version) before pack")
         if self.encoder is None:
-            self._packers[op.bucket].fill(buf)
+            self._packers[op.bucket].fill(buf, self._copier, self.tensors)
             return op.nbytes
         return self.encoder.encode(op, buf)
 
@@ -361,6 +397,9 @@ class ReaderCodec:
         self.decoder = (
             DeltaDecoder(self.ops, self.tensors, self.name) if codecs.delta is not None else None
         )
+        self._group: dict[int, tuple[BucketOp, ...]] = {}
+        if codecs.delta is not None:
+            self._group = _directory_groups(plan, self.ops, codecs.delta.window_bytes)
         self.version: int | None = None
         """The version the live tensors hold."""
         self._syncing: int | None = None
@@ -380,6 +419,18 @@ class ReaderCodec:
         if self.decoder is not None:
             return None
         return direct_view(op, self.tensors)
+
+    def group_of(self, op: BucketOp) -> tuple[BucketOp, ...] | None:
+        """Deltas: when ``op`` is the first of its writer's window's buckets to this reader,
+        all of them (their directories arrive as one message before ``op``'s rest); else
+        None."""
+        return self._group.get(op.bucket)
+
+    def take_directory(self, op: BucketOp, raw: bytes, buf: torch.Tensor) -> int:
+        """Deltas: bucket ``op``'s directory, received in its group, for the rest that lands
+        in ``buf``; returns the bucket's encoded bytes (kept for :meth:`unpack`)."""
+        assert self.decoder is not None, "take_directory is for delta buckets"
+        return self.decoder.take_directory(op, raw, buf)
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
         """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
@@ -407,6 +458,23 @@ class ReaderCodec:
         self._syncing = None
 
 
+def _directory_groups(
+    plan: TransferPlan, ops: Sequence[BucketOp], window_bytes: int
+) -> dict[int, tuple[BucketOp, ...]]:
+    """A reader's buckets grouped as their writers send the directories: per writer window
+    (:func:`~weightbus.codecs.delta.window_index` over the writer's program in the plan),
+    keyed by the group's first bucket."""
+    window: dict[int, int] = {}
+    for w in sorted({op.peer for op in ops}):
+        ids = plan.buckets_of("writer", w)
+        index = window_index(plan.buckets.nbytes[ids], window_bytes)
+        window.update(zip(ids.tolist(), index, strict=True))
+    groups: dict[tuple[int, int], list[BucketOp]] = {}
+    for op in ops:
+        groups.setdefault((op.peer, window[op.bucket]), []).append(op)
+    return {g[0].bucket: tuple(g) for g in groups.values()}
+
+
 def _random_bytes(n: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
 
@@ -421,7 +489,8 @@ def run_sync(
 ) -> int:
     """One sync in this process (the reference for tests): the FP8 amax all-reduce between
     the writers, every bucket packed, only its encoded bytes carried into a buffer of random
-    bytes, unpacked. Readers in ``absent`` miss this sync. Returns the bytes that travelled."""
+    bytes (with deltas, its directory apart, with its window's), unpacked. Readers in
+    ``absent`` miss this sync. Returns the bytes that travelled."""
     absent = set(absent)
     if writers and writers[0].scales is not None:
         parts = [w.scales.partial(w.live) for w in writers if w.scales is not None]
@@ -438,17 +507,49 @@ def run_sync(
     w_ops = {op.bucket: (w, op) for w in writers for op in w.ops}
     r_ops = {op.bucket: (i, r, op) for i, r in enumerate(readers) for op in r.ops}
     moved = 0
+    # per (reader, writer): the directories of the writer's current window to that reader,
+    # and where each bucket's starts among them
+    windows: dict[tuple[int, int], tuple[bytes, dict[int, int]]] = {}
     for b in range(len(plan.buckets)):
         w, wop = w_ops[b]
         ri, r, rop = r_ops[b]
         sent = _random_bytes(w.capacity(wop), w.device)
         used = w.pack(wop, sent)
+        group = w.group_directory(wop)
         if ri in absent:
             continue
         got = _random_bytes(r.capacity(rop), r.device)
-        got[:used] = sent[:used].to(r.device)
-        if r.decoder is not None and r.encoded_size(rop, got) != used:
-            raise AssertionError(f"bucket {b}: the directory disagrees with the {used} bytes sent")
+        if r.decoder is None or w.encoder is None:
+            # (codecs that differ are refused at connect; here the decoder must notice)
+            got[:used] = sent[:used].to(r.device)
+            if r.decoder is not None and r.encoded_size(rop, got) != used:
+                raise AssertionError(f"bucket {b}: the directory disagrees with {used} bytes")
+        else:
+            # as between processes: a window's directories arrive together, with its first
+            # bucket to this reader, and each bucket's buffer gets only what follows its own
+            members = r.group_of(rop)
+            if (group is None) != (members is None):
+                raise AssertionError(
+                    f"bucket {b}: the writer sends a window's directories with it: "
+                    f"{group is not None}, the reader expects them: {members is not None}"
+                )
+            if group is not None and members is not None:
+                offsets, at = {}, 0
+                for m in members:
+                    offsets[m.bucket] = at
+                    at += directory_bytes(m)
+                if group.numel() != at:
+                    raise AssertionError(
+                        f"bucket {b}: {group.numel()} bytes of directories, {at} expected"
+                    )
+                windows[(ri, rop.peer)] = (group.numpy().tobytes(), offsets)
+            raw, offsets = windows[(ri, rop.peer)]
+            head, at = directory_bytes(rop), offsets[b]
+            if r.take_directory(rop, raw[at : at + head], got) != used:
+                raise AssertionError(
+                    f"bucket {b}: the directory disagrees with the {used} bytes sent"
+                )
+            got[head:used] = sent[head:used].to(r.device)
         r.unpack(rop, got)
         moved += used
     for w in writers:
