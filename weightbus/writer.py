@@ -228,6 +228,10 @@ class Writer(_Session):
                 sums = region_views(op, codec.tensors) if verifier is not None else None
             else:
                 if not free:
+                    # deltas: the window's frames are computed while the oldest send drains
+                    t = time.perf_counter()
+                    codec.prepare(op)
+                    phases["pack"] += time.perf_counter() - t
                     t = time.perf_counter()
                     handles, buf = staged.popleft()
                     transport.wait(handles, deadline.left())

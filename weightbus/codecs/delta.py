@@ -642,15 +642,27 @@ class DeltaEncoder:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} was encoded twice in one sync")
         self._done.add(op.bucket)
         w = self._window_of[op.bucket]
-        win = self._open.get(w)
-        if win is None:
-            win = self._open[w] = self._compare(w, self._decision)
-        if win.meta is None:
-            self._analyze(w, win, self._decision)
+        win = self._ready(w, self._decision)
         enc = win.encoded.pop(op.bucket)
         if not win.encoded:
             del self._open[w]
         return self._emit(self._buckets[op.bucket], enc, win, buf)
+
+    def prepare(self, op: BucketOp) -> None:
+        """Analyze the window of bucket ``op`` now, unless done: its frames and the shadow
+        are then computed on the device while the caller waits for a buffer to
+        :meth:`encode` into (which then only copies)."""
+        if self._decision is not None and op.bucket not in self._done:
+            self._ready(self._window_of[op.bucket], self._decision)
+
+    def _ready(self, w: int, decision: DeltaDecision) -> _Window:
+        """Window ``w``, compared and analyzed."""
+        win = self._open.get(w)
+        if win is None:
+            win = self._open[w] = self._compare(w, decision)
+        if win.meta is None:
+            self._analyze(w, win, decision)
+        return win
 
     # -- a window's routes, fixed at connect --------------------------------------------------
 

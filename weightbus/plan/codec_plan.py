@@ -357,6 +357,12 @@ class WriterCodec:
             return op.nbytes
         return self.encoder.encode(op, buf)
 
+    def prepare(self, op: BucketOp) -> None:
+        """Deltas: analyze the window of bucket ``op`` ahead of :meth:`pack` (a no-op after
+        its first bucket), so the device works while the caller waits for a buffer."""
+        if self.encoder is not None and self._version is not None:
+            self.encoder.prepare(op)
+
     def end(self) -> None:
         """Every bucket of this sync is packed."""
         if self.policy is not None and self._decision is not None:
