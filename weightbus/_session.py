@@ -300,6 +300,9 @@ class _Session:
             for op, d, p in zip(self.ops, self.direct, pulls, strict=True)
             if d is None and not p
         ]
+        groups = self.codec.group_capacities() if self.codec is not None else None
+        if groups is not None:
+            staged = groups  # deltas: a window's buckets to one reader are staged together
         largest = max(staged, default=0)
         n = min(self.config.staging_buffers, len(staged))
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]

@@ -359,114 +359,91 @@ class Reader(_Session):
     def _receive_coded(self, version: int, deadline: _Deadline, phases: dict[str, float]) -> int:
         """Receive and decode every bucket of a delta sync; return the bytes received.
 
-        The directories of a writer window's buckets to this reader arrive as one message
-        (before the first bucket's rest); each bucket's rest then has the size its directory
-        gives. Messages with one writer must be posted in the order it sends them (NCCL
-        matches by order alone), so a bucket's rest is posted before the next message from
-        the same writer (when the next bucket from it comes up); buckets from other writers
-        overlap meanwhile, and one wait for a window's directories serves all its buckets.
+        A writer sends a window's buckets to this reader together, as two messages at the
+        first of them: their directories (whose size is fixed), then the buckets, whose size
+        the directories give. Messages with one writer must be posted in the order it sends
+        them (NCCL matches by order alone), so a group's second receive is posted before the
+        writer's next group (when its first bucket comes up); groups from other writers
+        overlap meanwhile.
         """
         codec = self.codec
         assert codec is not None
         codec.begin(version)
         free = deque(self._staging)
-        pending: deque[_Incoming] = deque()  # oldest first
-        open_rest: dict[int, _Incoming] = {}  # per writer: the bucket whose rest is not posted
-        group: dict[int, _Directories] = {}  # per writer: its window's directories
+        pending: deque[_Group] = deque()  # oldest first
+        open_group: dict[int, _Group] = {}  # per writer: the group whose buckets are not posted
         received = 0
         for op in self.ops:
-            previous = open_rest.pop(op.peer_global, None)
-            if previous is not None:
-                received += self._resolve(previous, deadline, phases)
             members = codec.group_of(op)
-            if members is not None:
-                size = sum(directory_bytes(m) for m in members)
-                dirs = torch.empty(size, dtype=torch.uint8, device=self._device)
-                handle = self.transport.recv(op.peer_global, dirs, op.bucket)
-                group[op.peer_global] = _Directories(members, dirs, handle)
+            if members is None:
+                continue  # it comes with its group
+            previous = open_group.pop(op.peer_global, None)
+            if previous is not None:
+                received += self._post_group(previous, deadline, phases)
             if not free:
-                item = pending.popleft()
-                received += self._decode(item, deadline, phases)
-                free.append(item.buf)
-            buf = free.popleft()
-            item = _Incoming(op, buf, group[op.peer_global])
-            pending.append(item)
-            open_rest[op.peer_global] = item
+                group = pending.popleft()
+                received += self._decode_group(group, deadline, phases)
+                free.append(group.buf)
+            size = sum(directory_bytes(m) for m in members)
+            dirs = torch.empty(size, dtype=torch.uint8, device=self._device)
+            handle = self.transport.recv(op.peer_global, dirs, op.bucket)
+            group = _Group(members, free.popleft(), dirs, handle)
+            pending.append(group)
+            open_group[op.peer_global] = group
         while pending:
-            received += self._decode(pending.popleft(), deadline, phases)
+            received += self._decode_group(pending.popleft(), deadline, phases)
         return received
 
-    def _resolve(self, item: _Incoming, deadline: _Deadline, phases: dict[str, float]) -> int:
-        """Read a bucket's directory (waiting for its window's, once) and post the receive of
-        its rest; return its bytes."""
-        if item.size:
+    def _post_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> int:
+        """Wait for a group's directories, read them and post the receive of its buckets;
+        return the group's bytes."""
+        if group.size:
             return 0
-        dirs = item.directories
-        if dirs.raw is None:
-            t = time.perf_counter()
-            self.transport.wait([dirs.handle], deadline.left())
-            phases["transfer"] += time.perf_counter() - t
-            dirs.raw = dirs.buf.cpu().numpy().tobytes()  # one copy for the window
-        op, head = item.op, directory_bytes(item.op)
-        at = dirs.offset[op.bucket]
-        used = self.codec.take_directory(op, dirs.raw[at : at + head], item.buf)
-        if not head <= used <= item.buf.numel():
-            raise WeightbusError(
-                f"{self.name}: bucket {op.bucket} from writer {self.plan.writers[op.peer].name!r} "
-                f"says it is {used} bytes; it must be {head} to {item.buf.numel()}: the two sides "
-                "run different weightbus versions or codecs"
-            )
-        if used > head:
-            tag = rest_tag(op, len(self.plan.buckets))
-            item.rest = self.transport.recv(op.peer_global, item.buf[head:used], tag)
-        item.size = used
-        return used
-
-    def _decode(self, item: _Incoming, deadline: _Deadline, phases: dict[str, float]) -> int:
-        """Wait for a whole bucket and apply it to the live tensors; return the bytes not yet
-        counted."""
-        got = self._resolve(item, deadline, phases)
-        if item.rest is not None:
-            t = time.perf_counter()
-            self.transport.wait([item.rest], deadline.left())
-            phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
-        self.codec.unpack(item.op, item.buf)
+        self.transport.wait([group.head], deadline.left())
+        phases["transfer"] += time.perf_counter() - t
+        raw = group.dirs.cpu().numpy().tobytes()  # one copy for the window
+        group.parts, n = self.codec.take_group(group.members, raw, group.buf)
+        first = group.members[0]
+        tag = rest_tag(first, len(self.plan.buckets))
+        group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
+        group.size = len(raw) + n
+        return group.size
+
+    def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> int:
+        """Wait for a whole group and apply it to the live tensors; return the bytes not yet
+        counted."""
+        got = self._post_group(group, deadline, phases)
+        assert group.rest is not None
+        t = time.perf_counter()
+        self.transport.wait([group.rest], deadline.left())
+        phases["transfer"] += time.perf_counter() - t
+        t = time.perf_counter()
+        self.codec.unpack_group(group.parts, group.buf)
         phases["unpack"] += time.perf_counter() - t
         if self._verifier is not None:
             t = time.perf_counter()
-            self._verifier.add(item.op, region_views(item.op, self.codec.tensors))
+            for op in group.members:
+                self._verifier.add(op, region_views(op, self.codec.tensors))
             phases["verify"] += time.perf_counter() - t
         return got
 
 
-class _Directories:
-    """The directories of a writer window's buckets to this reader: one message."""
+class _Group:
+    """A writer window's buckets to this reader being received: the handle of their
+    directories, then of the buckets."""
 
-    __slots__ = ("buf", "handle", "offset", "raw")
+    __slots__ = ("buf", "dirs", "head", "members", "parts", "rest", "size")
 
-    def __init__(self, members: tuple[BucketOp, ...], buf: torch.Tensor, handle: Handle) -> None:
-        self.buf, self.handle = buf, handle
-        self.offset: dict[int, int] = {}
-        """Per bucket: where its directory starts in the message."""
-        at = 0
-        for m in members:
-            self.offset[m.bucket] = at
-            at += directory_bytes(m)
-        self.raw: bytes | None = None
-        """The message on the host, once it arrived."""
-
-
-class _Incoming:
-    """A delta bucket being received: its window's directories, then its rest's handle."""
-
-    __slots__ = ("buf", "directories", "op", "rest", "size")
-
-    def __init__(self, op: BucketOp, buf: torch.Tensor, directories: _Directories) -> None:
-        self.op, self.buf, self.directories = op, buf, directories
+    def __init__(
+        self, members: tuple[BucketOp, ...], buf: torch.Tensor, dirs: torch.Tensor, head: Handle
+    ) -> None:
+        self.members, self.buf, self.dirs, self.head = members, buf, dirs, head
+        self.parts: list[tuple[BucketOp, int]] = []
+        """Each bucket and where it starts in ``buf``, once the directories were read."""
         self.rest: Handle | None = None
         self.size = 0
-        """The bucket's encoded bytes, once its directory was read (0 until then)."""
+        """The group's bytes on the wire, once its directories were read (0 until then)."""
 
 
 def _free_memory(device: torch.device) -> int:

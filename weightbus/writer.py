@@ -9,7 +9,6 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import directory_bytes
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
@@ -196,7 +195,8 @@ class Writer(_Session):
     ) -> int:
         """Encode and send every bucket through the codecs (FP8, deltas); return the bytes
         sent. The same pipeline as uncoded syncs: in-place sends go at once, staged buckets
-        take turns on the staging buffers."""
+        (with deltas, a window's buckets to one reader together) take turns on the staging
+        buffers."""
         codec, control, transport = self.codec, self.control, self.transport
         assert codec is not None and self.plan is not None
         if codec.policy is not None:
@@ -221,12 +221,13 @@ class Writer(_Session):
         staged: deque = deque()  # (handles, staging buffer), oldest first
         direct: list[Handle] = []
         verifier = self._verifier
+        deltas = codec.encoder is not None
         for op, live in zip(self.ops, self.direct, strict=True):
+            group = codec.group(op) if deltas else None
             if live is not None:
                 direct.append(transport.send(op.peer_global, live, op.bucket))
                 sent += op.nbytes
-                sums = region_views(op, codec.tensors) if verifier is not None else None
-            else:
+            elif not deltas or group is not None:
                 if not free:
                     # deltas: the window's frames are computed while the oldest send drains
                     t = time.perf_counter()
@@ -238,18 +239,24 @@ class Writer(_Session):
                     phases["transfer"] += time.perf_counter() - t
                     free.append(buf)
                 buf = free.popleft()
-                t = time.perf_counter()
-                n = codec.pack(op, buf)
-                phases["pack"] += time.perf_counter() - t
-                staged.append((self._post_coded(op, buf, n), buf))
+                if group is None:
+                    t = time.perf_counter()
+                    n = codec.pack(op, buf)
+                    phases["pack"] += time.perf_counter() - t
+                    handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
+                else:
+                    handles, n = self._send_group(op, buf, phases)
+                staged.append((handles, buf))
                 sent += n
-                sums = None
-                if verifier is not None:
-                    # deltas: the shadow holds the dense values the reader must end up with;
-                    # otherwise the packed bytes are the wire values (FP8 included)
-                    dense = buf if codec.encoder is None else codec.encoder.shadow_of(op)
-                    sums = buffer_views(op, dense)
-            if sums is not None:
+            if verifier is not None:
+                # in place: the live bytes; deltas: the shadow, which holds the dense values
+                # the reader must end up with; otherwise the packed bytes (FP8 included)
+                if live is not None:
+                    sums = region_views(op, codec.tensors)
+                elif deltas:
+                    sums = buffer_views(op, codec.encoder.shadow_of(op))
+                else:
+                    sums = buffer_views(op, buf)
                 t = time.perf_counter()
                 verifier.add(op, sums)
                 phases["verify"] += time.perf_counter() - t
@@ -263,22 +270,22 @@ class Writer(_Session):
         self._directories = []
         return sent
 
-    def _post_coded(self, op: BucketOp, buf: torch.Tensor, n: int) -> list[Handle]:
-        """Send the first ``n`` bytes of an encoded bucket: one message, or for deltas the
-        rest after the directory (when there is any), preceded for the first bucket of a
-        window to its reader by the directories of all of them."""
+    def _send_group(
+        self, op: BucketOp, buf: torch.Tensor, phases: dict[str, float]
+    ) -> tuple[list[Handle], int]:
+        """Deltas: encode the window's buckets to ``op``'s reader into ``buf`` and send them
+        as two messages: their directories (whose sizes the reader knows), then the buckets
+        themselves; return the handles and the bytes sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
-        if self.codec.encoder is None:
-            return [self.transport.send(op.peer_global, buf[:n], op.bucket)]
-        handles = []
-        group = self.codec.group_directory(op)
-        if group is not None:
-            on_device = group.to(buf.device, non_blocking=True)
-            # both stay alive until the sync is over (the copy and the send read them)
-            self._directories += (group, on_device)
-            handles.append(self.transport.send(op.peer_global, on_device, op.bucket))
-        d = directory_bytes(op)
-        if n > d:
-            tag = rest_tag(op, len(self.plan.buckets))
-            handles.append(self.transport.send(op.peer_global, buf[d:n], tag))
-        return handles
+        t = time.perf_counter()
+        directories, n = self.codec.pack_group(op, buf)
+        on_device = directories.to(buf.device, non_blocking=True)
+        phases["pack"] += time.perf_counter() - t
+        # both stay alive until the sync is over (the copy and the send read them)
+        self._directories += (directories, on_device)
+        tag = rest_tag(op, len(self.plan.buckets))
+        handles = [
+            self.transport.send(op.peer_global, on_device, op.bucket),
+            self.transport.send(op.peer_global, buf[:n], tag),
+        ]
+        return handles, on_device.numel() + n

@@ -12,19 +12,19 @@ Connect, on every participant:
 
 Each sync, a writer calls ``readers_hold(...)`` with what every reader says it holds (deltas
 only), ``begin(version)`` (the FP8 scales of this sync, the delta decision), ``pack(op, buf)``
-per bucket (returns the bytes to send), ``end()`` once every bucket is packed, and
-``acknowledged(version, readers)`` after the acks (``abandon()`` when the sync failed). A
-reader calls ``begin(version)``, ``unpack(op, buf)`` per bucket, and ``end(version)`` once
-committed. :func:`run_sync` does all of it in one process: the reference the tests use;
+per bucket (with deltas ``pack_group(op, buf)`` per group), ``end()`` once every bucket is
+packed, and ``acknowledged(version, readers)`` after the acks (``abandon()`` when the sync
+failed). A reader calls ``begin(version)``, ``unpack(op, buf)`` per bucket (with deltas
+``take_group`` and ``unpack_group`` per group), and ``end(version)`` once committed. :func:`run_sync` does all of it in one process: the reference the tests use;
 :class:`~weightbus.Writer` and :class:`~weightbus.Reader` do it between processes.
 
-On the wire (see :mod:`weightbus.codecs.delta`), a delta bucket's header and directory (of a
-size fixed per bucket) travel with those of the other buckets of its writer's window to the
-same reader, as one message sent with the first of them (tag ``op.bucket``:
-:meth:`WriterCodec.group_directory`, :meth:`ReaderCodec.group_of`); then, when the bucket
-holds more, the rest (tag :func:`rest_tag`), whose size the reader reads from the directory
-(:meth:`ReaderCodec.take_directory`, which keeps it for ``unpack``). FP8 buckets are one
-message of the plan's size, like uncoded ones.
+On the wire (see :mod:`weightbus.codecs.delta`), a writer window's delta buckets to one
+reader travel together as two messages at the first of them (:meth:`WriterCodec.group`,
+:meth:`WriterCodec.pack_group`; :meth:`ReaderCodec.group_of`): their directories, of a size
+fixed per group (tag ``op.bucket``), then the encoded buckets (tag :func:`rest_tag`), whose
+size the reader reads from the directories (:meth:`ReaderCodec.take_group`, which keeps them
+for :meth:`ReaderCodec.unpack_group`). FP8 buckets are one message of the plan's size, like
+uncoded ones.
 
 Everything about a bucket that does not change between syncs is found at connect: the live
 regions of its routes, their scale cells, where each route's bytes go, and on CUDA the table
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from weightbus.codecs.delta import (
+    GROUP_ALIGN,
     DeltaConfig,
     DeltaDecision,
     DeltaDecoder,
@@ -51,6 +52,8 @@ from weightbus.codecs.delta import (
     DeltaPolicy,
     capacity,
     directory_bytes,
+    group_capacity,
+    group_layout,
     window_index,
 )
 from weightbus.codecs.fp8 import (
@@ -62,6 +65,7 @@ from weightbus.codecs.fp8 import (
     WriterScales,
     quantized_layout,
 )
+from weightbus.errors import WeightbusError
 from weightbus.plan.planner import TransferPlan
 from weightbus.plan.program import BucketCopier, BucketOp, build_program, direct_view
 from weightbus.spec import Layout, LayoutError
@@ -113,8 +117,9 @@ class CodecConfig:
 
 
 def rest_tag(op: BucketOp, num_buckets: int) -> int:
-    """The tag of a delta bucket's second message (its first, the directory, uses
-    ``op.bucket``); ``num_buckets`` is the plan's bucket count."""
+    """The tag of a delta group's second message, the buckets, for the group that bucket
+    ``op`` starts (its first, the directories, uses ``op.bucket``); ``num_buckets`` is the
+    plan's bucket count."""
     return num_buckets + op.bucket
 
 
@@ -299,11 +304,26 @@ class WriterCodec:
         """With deltas: the fixed first part of the bucket, sent before the rest."""
         return directory_bytes(op) if self.encoder else None
 
-    def group_directory(self, op: BucketOp) -> torch.Tensor | None:
-        """Deltas, after :meth:`pack` of ``op``: the directories of its window's buckets to
-        its reader when ``op`` is the first of them (a host tensor), sent before its rest;
-        else None."""
-        return self.encoder.group_directory(op) if self.encoder is not None else None
+    def group(self, op: BucketOp) -> tuple[BucketOp, ...] | None:
+        """Deltas: when bucket ``op`` is the first of its window's buckets to its reader, all
+        of them (they travel together: :meth:`pack_group`); else None."""
+        return self.encoder.group(op) if self.encoder is not None else None
+
+    def pack_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Deltas: encode the group bucket ``op`` starts into ``buf``; return its directories
+        (host bytes, the first message) and the bytes of its second message, in ``buf``."""
+        if self._version is None or self.encoder is None:
+            raise RuntimeError(
+                f"writer {self.name!r}: begin(version) with deltas before pack_group"
+            )
+        return self.encoder.encode_group(op, buf)
+
+    def group_capacities(self) -> list[int] | None:
+        """Deltas: the staging bytes each group needs; None without deltas."""
+        if self.encoder is None:
+            return None
+        groups = (self.encoder.group(op) for op in self.ops)
+        return [group_capacity(g) for g in groups if g is not None]
 
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes of a bucket that may be sent in place (one contiguous route in the
@@ -433,10 +453,48 @@ class ReaderCodec:
         return self._group.get(op.bucket)
 
     def take_directory(self, op: BucketOp, raw: bytes, buf: torch.Tensor) -> int:
-        """Deltas: bucket ``op``'s directory, received in its group, for the rest that lands
-        in ``buf``; returns the bucket's encoded bytes (kept for :meth:`unpack`)."""
+        """Deltas: bucket ``op``'s directory, received in its group, for the bucket that lands
+        at the start of ``buf``; returns the bucket's encoded bytes (kept for decoding)."""
         assert self.decoder is not None, "take_directory is for delta buckets"
         return self.decoder.take_directory(op, raw, buf)
+
+    def take_group(
+        self, members: Sequence[BucketOp], raw: bytes, buf: torch.Tensor
+    ) -> tuple[list[tuple[BucketOp, int]], int]:
+        """Deltas: a group's directories (``raw``, the group's first message) for the group
+        that lands in ``buf``: each bucket and its offset there, and the bytes of the group's
+        second message. Raises when the sizes do not add up."""
+        parts, used, at = [], [], 0
+        start = 0
+        for m in members:
+            head = directory_bytes(m)
+            n = self.take_directory(m, raw[at : at + head], buf[start:])
+            parts.append((m, start))
+            used.append(n)
+            at += head
+            start = -(-(start + n) // GROUP_ALIGN) * GROUP_ALIGN
+        total = group_layout(used)[1]
+        if at != len(raw) or total > buf.numel():
+            raise WeightbusError(
+                f"reader {self.name!r}: a group of {len(members)} buckets from bucket "
+                f"{members[0].bucket} came with {len(raw)} bytes of directories ({at} "
+                f"expected) for {total} bytes ({buf.numel()} at most): the two sides run "
+                "different weightbus versions or codecs"
+            )
+        return parts, total
+
+    @torch.no_grad()
+    def unpack_group(self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor) -> None:
+        """Deltas: apply a received group, each bucket ``(op, offset)`` in ``buf``."""
+        if self._syncing is None or self.decoder is None:
+            raise RuntimeError(f"reader {self.name!r}: begin(version) with deltas before unpack")
+        self.decoder.decode_group(parts, buf, version=self._syncing, held=self.version)
+
+    def group_capacities(self) -> list[int] | None:
+        """Deltas: the staging bytes each group needs; None without deltas."""
+        if self.decoder is None:
+            return None
+        return [group_capacity(g) for g in self._group.values()]
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
         """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
@@ -495,8 +553,9 @@ def run_sync(
 ) -> int:
     """One sync in this process (the reference for tests): the FP8 amax all-reduce between
     the writers, every bucket packed, only its encoded bytes carried into a buffer of random
-    bytes (with deltas, its directory apart, with its window's), unpacked. Readers in
-    ``absent`` miss this sync. Returns the bytes that travelled."""
+    bytes (with deltas, a window's buckets to a reader as one group, its directories read
+    apart), unpacked. Readers in ``absent`` miss this sync. Returns the bytes that
+    travelled."""
     absent = set(absent)
     if writers and writers[0].scales is not None:
         parts = [w.scales.partial(w.live) for w in writers if w.scales is not None]
@@ -513,51 +572,44 @@ def run_sync(
     w_ops = {op.bucket: (w, op) for w in writers for op in w.ops}
     r_ops = {op.bucket: (i, r, op) for i, r in enumerate(readers) for op in r.ops}
     moved = 0
-    # per (reader, writer): the directories of the writer's current window to that reader,
-    # and where each bucket's starts among them
-    windows: dict[tuple[int, int], tuple[bytes, dict[int, int]]] = {}
     for b in range(len(plan.buckets)):
         w, wop = w_ops[b]
         ri, r, rop = r_ops[b]
-        sent = _random_bytes(w.capacity(wop), w.device)
-        used = w.pack(wop, sent)
-        group = w.group_directory(wop)
-        if ri in absent:
-            continue
-        got = _random_bytes(r.capacity(rop), r.device)
-        if r.decoder is None or w.encoder is None:
-            # (codecs that differ are refused at connect; here the decoder must notice)
+        if w.encoder is None or r.decoder is None:
+            # one message per bucket (codecs that differ are refused at connect; here the
+            # decoder must notice)
+            sent = _random_bytes(w.capacity(wop), w.device)
+            used = w.pack(wop, sent)
+            if ri in absent:
+                continue
+            got = _random_bytes(r.capacity(rop), r.device)
             got[:used] = sent[:used].to(r.device)
             if r.decoder is not None and r.encoded_size(rop, got) != used:
                 raise AssertionError(f"bucket {b}: the directory disagrees with {used} bytes")
-        else:
-            # as between processes: a window's directories arrive together, with its first
-            # bucket to this reader, and each bucket's buffer gets only what follows its own
-            members = r.group_of(rop)
-            if (group is None) != (members is None):
-                raise AssertionError(
-                    f"bucket {b}: the writer sends a window's directories with it: "
-                    f"{group is not None}, the reader expects them: {members is not None}"
-                )
-            if group is not None and members is not None:
-                offsets, at = {}, 0
-                for m in members:
-                    offsets[m.bucket] = at
-                    at += directory_bytes(m)
-                if group.numel() != at:
-                    raise AssertionError(
-                        f"bucket {b}: {group.numel()} bytes of directories, {at} expected"
-                    )
-                windows[(ri, rop.peer)] = (group.numpy().tobytes(), offsets)
-            raw, offsets = windows[(ri, rop.peer)]
-            head, at = directory_bytes(rop), offsets[b]
-            if r.take_directory(rop, raw[at : at + head], got) != used:
-                raise AssertionError(
-                    f"bucket {b}: the directory disagrees with the {used} bytes sent"
-                )
-            got[head:used] = sent[head:used].to(r.device)
-        r.unpack(rop, got)
-        moved += used
+            r.unpack(rop, got)
+            moved += used
+            continue
+        # deltas, as between processes: the first bucket of a window's group to a reader
+        # brings the group, its directories first
+        group, members = w.group(wop), r.group_of(rop)
+        if (group is None) != (members is None) or (
+            group is not None and [g.bucket for g in group] != [m.bucket for m in members]
+        ):
+            raise AssertionError(f"bucket {b}: writer and reader group the buckets differently")
+        if group is None or members is None:
+            continue
+        sent = _random_bytes(group_capacity(group), w.device)
+        directories, n = w.pack_group(wop, sent)
+        if ri in absent:
+            continue
+        raw = directories.numpy().tobytes()
+        got = _random_bytes(group_capacity(members), r.device)
+        parts, total = r.take_group(members, raw, got)
+        if total != n:
+            raise AssertionError(f"bucket {b}: the directories say {total} bytes, {n} were sent")
+        got[:n] = sent[:n].to(r.device)
+        r.unpack_group(parts, got)
+        moved += len(raw) + n
     for w in writers:
         w.end()
     present = [i for i in range(len(readers)) if i not in absent]
