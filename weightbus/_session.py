@@ -47,7 +47,9 @@ class SyncConfig:
     bucket_bytes: int = 64 * MiB
     """Largest bucket: the size of one staging buffer."""
     staging_buffers: int = 4
-    """Staging buffers per participant; staging memory is at most this x bucket_bytes."""
+    """Staging buffers per participant; staging memory is at most this x bucket_bytes. With
+    deltas a buffer holds a window's buckets to one reader (``DeltaConfig.window_bytes``), and
+    at most 2 are used (one filled while the other travels)."""
     cast: Mapping[str, str] = field(default_factory=dict)
     """Dtype changes on the wire, writer dtype -> reader dtype, e.g. {"float32": "bfloat16"}."""
     ignore_unread: tuple[str, ...] = ()
@@ -300,11 +302,14 @@ class _Session:
             for op, d, p in zip(self.ops, self.direct, pulls, strict=True)
             if d is None and not p
         ]
+        n = min(self.config.staging_buffers, len(staged))
         groups = self.codec.group_capacities() if self.codec is not None else None
         if groups is not None:
-            staged = groups  # deltas: a window's buckets to one reader are staged together
+            # deltas: a window's buckets to one reader are staged together; two such buffers
+            # keep the link busy (one filled while the other travels)
+            staged = groups
+            n = min(self.config.staging_buffers, 2, len(staged))
         largest = max(staged, default=0)
-        n = min(self.config.staging_buffers, len(staged))
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
         self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
         self.transport.register(self._staging)
