@@ -26,6 +26,7 @@ from tests.test_codec_delta import (
     change,
     kernels_equal_torch,
     readers,
+    unchanged_sync_bytes,
     writers,
 )
 from weightbus.codecs.delta import (
@@ -117,7 +118,9 @@ def test_resharding_syncs_are_bit_exact(shadow, kernels, monkeypatch):
         except AssertionError as exc:
             raise AssertionError(f"sync {step} (moved {moved} of {dense_bytes}): {exc}") from exc
         if step > 1 and step % 7 and step != 13:
-            assert moved < 0.2 * dense_bytes, (step, moved, dense_bytes)
+            # beyond the directories (and buckets' alignment) that every sync carries
+            fixed = unchanged_sync_bytes(rcs)
+            assert moved - fixed < 0.2 * dense_bytes, (step, moved, fixed, dense_bytes)
 
 
 @pytest.mark.skipif(
