@@ -117,7 +117,8 @@ def test_resharding_syncs_are_bit_exact(shadow, kernels, monkeypatch):
             assert_exact(rs, cpu, want, skip=absent)
         except AssertionError as exc:
             raise AssertionError(f"sync {step} (moved {moved} of {dense_bytes}): {exc}") from exc
-        if step > 1 and step % 7 and step != 13:
+        if step > 1 and step % 7 > 1 and step != 13:
+            # (after a 50% step, windows that went dense are sent dense once more)
             # beyond the directories (and buckets' alignment) that every sync carries
             fixed = unchanged_sync_bytes(rcs)
             assert moved - fixed < 0.2 * dense_bytes, (step, moved, fixed, dense_bytes)

@@ -125,6 +125,7 @@ def _compare_kernel(
     T: tl.constexpr,
     MODE: tl.constexpr,
     UPDATE: tl.constexpr,
+    COUNT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     g = first + tl.program_id(0).to(tl.int64)
@@ -136,12 +137,13 @@ def _compare_kernel(
     new = tl.load(new_at.to(tl.pointer_type(T)) + off, mask=valid, other=0)
     old = tl.load(old_ptr + u, mask=valid, other=0)
     changed = valid & (new != old)
+    c = changed.to(tl.int32)
+    if COUNT:
+        tl.store(counts_ptr + g + 1, tl.sum(c, axis=0))
+        tl.store(counts_ptr + g * 0, 0, mask=g == 0)
     if UPDATE:
         tl.store(old_ptr + u, new, mask=changed)
     else:
-        c = changed.to(tl.int32)
-        tl.store(counts_ptr + g + 1, tl.sum(c, axis=0))
-        tl.store(counts_ptr + g * 0, 0, mask=g == 0)
         # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
         shifted = tl.reshape(c, [BLOCK // 32, 32]) << tl.arange(0, 32)[None, :]
         words = tl.sum(shifted, axis=1)
@@ -368,26 +370,40 @@ class WindowTable:
         )
         self._ends = torch.from_numpy(ends.reshape(-1)).to(self.device)
 
-    def compare(self, work: torch.Tensor, scratch: torch.Tensor | None, update: bool):
-        """Launch the compare pass (no waiting). ``update``: only bring the shadow up to date
-        (every reader gets dense bytes), returning None; else return the pass's state for
-        :meth:`counts` and :meth:`emit`."""
+    def compare(
+        self,
+        work: torch.Tensor,
+        scratch: torch.Tensor | None,
+        update: bool,
+        stream: torch.cuda.Stream | None = None,
+        count: bool = False,
+    ):
+        """Launch the compare pass (no waiting), on ``stream`` if given (its buffers are
+        allocated on the current stream, which must wait for ``stream`` before using them).
+        ``update``: only bring the shadow up to date (every reader gets dense bytes),
+        returning None (with ``count``, the state for :meth:`counts` alone); else return
+        the pass's state for :meth:`counts` and :meth:`emit`."""
         if not self.tiles:
-            return None if update else (None, None)
+            return None if update and not count else (None, None)
         scratch = work if scratch is None else scratch
         counts = bits = work
-        if not update:
+        if count or not update:
             counts = torch.empty(self.tiles + 1, dtype=torch.int32, device=self.device)
+        if not update:
             bits = torch.empty(
                 self.tiles * (self.block // 32), dtype=torch.int32, device=self.device
             )
-        with _device_context(self.device):
+        on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with _device_context(self.device), on:
             for isz, mode, first, n in self.groups:
                 _compare_kernel[(n,)](
                     self._owner, self._routes, work, scratch, counts, bits, first,
-                    T=_INT[isz], MODE=mode, UPDATE=update, BLOCK=self.block, num_warps=8,
+                    T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count or not update,
+                    BLOCK=self.block, num_warps=8,
                 )  # fmt: skip
-        return None if update else (counts, bits)
+        if update:
+            return (counts, None) if count else None
+        return counts, bits
 
     def counts(self, state) -> tuple[np.ndarray, object]:
         """Each slot's count of changed elements (waits for the compare pass)."""

@@ -476,16 +476,19 @@ class _TorchWindow:
             self._key = key
         return self._pairs
 
-    def compare(self, work: torch.Tensor, scratch: torch.Tensor | None, update: bool):
+    def compare(
+        self, work: torch.Tensor, scratch: torch.Tensor | None, update: bool, count: bool = False
+    ):
         pairs = self._views(work, scratch)
+        mask = None
+        if count or not update:
+            mask = torch.empty(int(self.starts[-1]), dtype=torch.bool, device=self.device)
+            for (new, old), start in zip(pairs, self.starts[:-1].tolist(), strict=True):
+                if new.numel():
+                    torch.ne(new, old, out=mask[start : start + new.numel()].view(new.shape))
         if update:
             for new, old in pairs:
                 old.copy_(new)
-            return None
-        mask = torch.empty(int(self.starts[-1]), dtype=torch.bool, device=self.device)
-        for (new, old), start in zip(pairs, self.starts[:-1].tolist(), strict=True):
-            if new.numel():
-                torch.ne(new, old, out=mask[start : start + new.numel()].view(new.shape))
         return mask
 
     def counts(self, mask) -> tuple[np.ndarray, object]:
@@ -551,7 +554,7 @@ class _Layout:
 class _Window:
     """One window of the current sync, from its compare pass until its last bucket is packed."""
 
-    __slots__ = ("dense", "encoded", "lay", "meta", "scratch", "state", "store", "work")
+    __slots__ = ("dense", "encoded", "event", "lay", "meta", "scratch", "state", "store", "work")
 
     def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool) -> None:
         self.lay, self.work, self.dense = lay, work, dense
@@ -568,6 +571,8 @@ class _Window:
         """The window's framed buckets' bytes after their directories, as they go on the wire."""
         self.meta: torch.Tensor | None = None
         """Every bucket's header and directory (pinned on CUDA, copied without waiting)."""
+        self.event: torch.cuda.Event | None = None
+        """Recorded after its compare pass where that ran on the encoder's own stream."""
 
 
 class DeltaEncoder:
@@ -624,10 +629,21 @@ class DeltaEncoder:
         )
         """The bytes last sent, per bucket in the plan's layout (padding stays zero)."""
         self._local = self.shadow.device.type == self.device.type
+        cuda = self.device.type == "cuda" and self._kernels is not None
+        self._side = torch.cuda.Stream(self.device) if cuda else None
+        """On CUDA, the compare passes' stream: a window's compare pass runs while the
+        previous window's emit pass does (one is bound by memory, the other by compute)."""
         self._layouts: list[_Layout | None] = [None] * len(self._windows)
         for w in range(len(self._windows)):
             self._layout_of(w)  # the tables, at connect
         self._decision: DeltaDecision | None = None
+        self._dense: set[int] = set()
+        """Windows every route of which went dense in the last sync: the next sync sends them
+        dense without waiting for their counts or an emit pass; their compare pass still
+        counts, so a window that would go sparse again leaves the set (and costs one dense
+        sync more)."""
+        self._tally: dict[int, object] = {}
+        """This sync's counts of the windows sent dense that way, read at :meth:`end`."""
         self._open: dict[int, _Window] = {}
         """Windows compared ahead, or analyzed with buckets not packed yet."""
         self._done: set[int] = set()
@@ -645,6 +661,16 @@ class DeltaEncoder:
 
     def end(self) -> None:
         """The sync is over (packed or abandoned): drop the windows' scratch."""
+        if self._side is not None:
+            # what the current stream does next comes after any compare pass still running
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        for w, state in self._tally.items():
+            lay = self._layouts[w]
+            assert lay is not None
+            counts, _ = lay.table.counts(state)
+            if self._choose(lay, counts).any():
+                self._dense.discard(w)  # some route would have gone sparse: compare next time
+        self._tally.clear()
         self._decision = None
         self._open.clear()
         self._done.clear()
@@ -778,12 +804,27 @@ class DeltaEncoder:
         a window whose readers all get dense bytes only brings the shadow up to date."""
         lay = self._layout_of(w)
         dense = all(bk.op.peer in decision.dense for bk in lay.bks)
-        win = _Window(lay, self._work(lay), dense)
+        # went dense last time: sent dense again, its changes only counted
+        guess = not dense and w in self._dense
+        win = _Window(lay, self._work(lay), dense or guess)
         if lay.scratch_bytes:
             win.scratch = torch.empty(lay.scratch_bytes, dtype=torch.uint8, device=self.device)
             for bk, at in lay.filled:
                 self._fill(bk.op, win.scratch[at : at + bk.op.nbytes])
-        win.state = lay.table.compare(win.work, win.scratch, dense)
+        side = None if isinstance(lay.table, _TorchWindow) else self._side
+        if side is None:
+            win.state = lay.table.compare(win.work, win.scratch, win.dense, count=guess)
+        else:
+            # after everything queued so far (the weights' update, the fills), on its own
+            # stream
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            win.state = lay.table.compare(
+                win.work, win.scratch, win.dense, stream=side, count=guess
+            )
+            win.event = torch.cuda.Event()
+            win.event.record(side)
+        if guess:
+            self._tally[w] = win.state
         return win
 
     def _analyze(self, w: int, win: _Window, decision: DeltaDecision) -> None:
@@ -791,6 +832,8 @@ class DeltaEncoder:
         sparse or dense, lay out the frames, write them and update the shadow; meanwhile the
         next window's compare pass runs on the device."""
         lay = win.lay
+        if win.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(win.event)
         counts = np.zeros(len(lay.numel), np.int64)
         if not win.dense:
             counts, win.state = lay.table.counts(win.state)
@@ -798,7 +841,14 @@ class DeltaEncoder:
         if ahead and w + 1 not in self._open and ahead[0].op.bucket not in self._done:
             self._open[w + 1] = self._compare(w + 1, decision)
         dense_peer = np.array([bk.op.peer in decision.dense for bk in lay.bks], bool)
-        sparse = self._choose(lay, counts) & ~dense_peer[lay.bucket]
+        if win.dense:
+            sparse = np.zeros(len(lay.numel), bool)
+        else:
+            sparse = self._choose(lay, counts) & ~dense_peer[lay.bucket]
+            if len(sparse) and not sparse.any() and not dense_peer.any():
+                self._dense.add(w)  # every route went dense: so will the next sync, likely
+            else:
+                self._dense.discard(w)
         plan = self._plan(win, decision, counts, sparse)
         if not win.dense:
             lay.table.emit(win.state, win.work, win.scratch, plan, win.store)
