@@ -1405,7 +1405,15 @@ class ControlPlane:
         backoff = _Backoff(self.config.num_writers + self.config.num_readers)
         next_closed_check = time.monotonic() + _CLOSED_CHECK_S
         while not self._call(store.check, keys):
-            self.raise_if_failed()
+            try:
+                self.raise_if_failed()
+            except PeerFailure:
+                # what was posted before the failure still counts (a participant that posted
+                # its digest and then found a disagreement reports it at once: the others must
+                # see the disagreement too, not only its report)
+                if self._call(store.check, keys):
+                    break
+                raise
             now = time.monotonic()
             missing = None
             if now >= deadline or now >= next_closed_check:
