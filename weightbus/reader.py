@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import directory_bytes
+from weightbus.codecs.delta import directory_bytes, group_directories_at
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
@@ -384,10 +384,11 @@ class Reader(_Session):
                 group = pending.popleft()
                 received += self._decode_group(group, deadline, phases)
                 free.append(group.buf)
-            size = sum(directory_bytes(m) for m in members)
-            dirs = torch.empty(size, dtype=torch.uint8, device=self._device)
+            buf = free.popleft()
+            at = group_directories_at(members)
+            dirs = buf[at : at + sum(directory_bytes(m) for m in members)]
             handle = self.transport.recv(op.peer_global, dirs, op.bucket)
-            group = _Group(members, free.popleft(), dirs, handle)
+            group = _Group(members, buf, dirs, handle)
             pending.append(group)
             open_group[op.peer_global] = group
         while pending:
@@ -403,7 +404,8 @@ class Reader(_Session):
         self.transport.wait([group.head], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         raw = group.dirs.cpu().numpy().tobytes()  # one copy for the window
-        group.parts, n = self.codec.take_group(group.members, raw, group.buf)
+        body = group.buf[: group_directories_at(group.members)]  # not over the directories
+        group.parts, n = self.codec.take_group(group.members, raw, body)
         first = group.members[0]
         tag = rest_tag(first, len(self.plan.buckets))
         group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)

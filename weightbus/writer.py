@@ -9,6 +9,7 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
+from weightbus.codecs.delta import group_directories_at
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
@@ -48,8 +49,8 @@ class Writer(_Session):
         (``weightbus.codecs.fp8.all_reduce_max(group)``)."""
         self._verifier: Verifier | None = None
         self._directories: list[torch.Tensor] = []
-        """Deltas: the windows' directories sent in the current sync (host and device
-        copies), kept until their sends are done."""
+        """Deltas: the windows' directories sent in the current sync (pinned host memory),
+        kept until their copies into staging are done."""
 
     def _on_build(self) -> None:
         """At connect and in every new membership epoch (once every participant agreed on
@@ -278,11 +279,14 @@ class Writer(_Session):
         themselves; return the handles and the bytes sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
         t = time.perf_counter()
+        members = self.codec.group(op)
+        assert members is not None
         directories, n = self.codec.pack_group(op, buf)
-        on_device = directories.to(buf.device, non_blocking=True)
+        at = group_directories_at(members)
+        on_device = buf[at : at + directories.numel()]
+        on_device.copy_(directories, non_blocking=True)
         phases["pack"] += time.perf_counter() - t
-        # both stay alive until the sync is over (the copy and the send read them)
-        self._directories += (directories, on_device)
+        self._directories.append(directories)  # alive until the sync is over: the copy reads it
         tag = rest_tag(op, len(self.plan.buckets))
         handles = [
             self.transport.send(op.peer_global, on_device, op.bucket),

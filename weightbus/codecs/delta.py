@@ -96,6 +96,7 @@ __all__ = [
     "directory_bytes",
     "encoded_size",
     "group_capacity",
+    "group_directories_at",
     "group_layout",
     "window_index",
 ]
@@ -211,8 +212,16 @@ def group_layout(used: Sequence[int]) -> tuple[list[int], int]:
 
 
 def group_capacity(ops: Sequence[BucketOp]) -> int:
-    """The largest message of a group of these buckets (every one at :func:`capacity`)."""
-    return group_layout([capacity(op) for op in ops])[1]
+    """Staging bytes for a group of these buckets: its largest second message (every bucket
+    at :func:`capacity`), then, from :func:`group_directories_at`, its directories."""
+    return group_directories_at(ops) + sum(directory_bytes(op) for op in ops)
+
+
+def group_directories_at(ops: Sequence[BucketOp]) -> int:
+    """Where a group's directories lie in its staging buffer (after the largest second
+    message, so both messages use memory the transport registered once)."""
+    end = group_layout([capacity(op) for op in ops])[1]
+    return -(-end // GROUP_ALIGN) * GROUP_ALIGN
 
 
 def encoded_size(directory: torch.Tensor) -> int:
