@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import multiprocessing as mp
-import queue
 import socket
-import time
 import traceback
 import zlib
 from datetime import timedelta
@@ -20,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.procs import collect_reports
 from tests.test_codec_delta import (
     TENSORS,
     assert_exact,
@@ -251,22 +250,7 @@ def test_session_sync_over_nccl_uses_the_kernels(monkeypatch):
     ]
     for p in procs:
         p.start()
-    results: dict = {}
-    deadline = time.monotonic() + 240
-    try:
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                role, status, payload = q.get(timeout=0.5)
-                results[role] = (status, payload)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    results = collect_reports(procs, q, 2, 240).got
     assert set(results) == {"writer", "reader"}, results
     assert all(status == "ok" for status, _ in results.values()), results
     _, sizes_w, _ = results["writer"][1]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import signal
 import threading
 import time
@@ -35,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.procs import collect_reports
 from tests.threads import run_threads
 
 pytestmark = pytest.mark.faults
@@ -489,23 +489,9 @@ def test_reader_killed_mid_sync_is_named_dropped_and_replaced():
         )
     for p in procs.values():
         p.start()
-    results: dict = {}
-    deadline = time.monotonic() + 130
-    try:
-        while len(results) < len(procs) - 1 and time.monotonic() < deadline:
-            try:
-                name, status, payload = q.get(timeout=0.5)
-                results[name] = (status, payload)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs.values()):
-                    break
-        for p in procs.values():
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        assert not [n for n, p in procs.items() if p.is_alive()], results
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
+    reports = collect_reports(procs.values(), q, len(procs) - 1, 130)
+    results = reports.got
+    assert not reports.hung, results
     assert procs["reader-2"].exitcode == -signal.SIGKILL, procs["reader-2"].exitcode
     assert "reader-2" not in results
     for name in ("writer-0", "writer-1", "reader-0", "reader-1", "reader-2-new"):

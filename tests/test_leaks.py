@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import threading
 import time
 import traceback
@@ -33,6 +32,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.procs import collect_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -202,21 +203,7 @@ def _run_gpu_leak_job(device: str = "cuda:0", transport: str = "cuda_ipc") -> di
     }
     for p in procs.values():
         p.start()
-    results: dict = {}
-    deadline = time.monotonic() + 240
-    try:
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                role, status, payload = q.get(timeout=0.5)
-                results[role] = (status, payload)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs.values()):
-                    break
-    finally:
-        for p in procs.values():
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    results = collect_reports(procs.values(), q, 2, 240, join_s=10).got
     codes = {role: p.exitcode for role, p in procs.items()}
     for role in ("writer", "reader"):
         status, payload = results.get(role, ("missing", "it reported nothing"))

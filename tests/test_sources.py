@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
-import queue
 import tempfile
-import time
 import traceback
 import zlib
 from datetime import timedelta
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from tests.procs import collect_reports
 from weightbus import BoundLayout, Participant
 from weightbus.layouts.families import model_spec
 from weightbus.layouts.fused import engine_layout
@@ -363,22 +362,7 @@ def _run(spec: dict, ckpt_dir: str, limit: float = 90.0) -> dict:
     ]
     for p in procs:
         p.start()
-    results: dict = {}
-    deadline = time.monotonic() + limit
-    try:
-        while len(results) < len(procs) and time.monotonic() < deadline:
-            try:
-                name, status, text = q.get(timeout=0.5)
-                results[name] = (status, text)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    results = collect_reports(procs, q, len(procs), limit).got
     assert len(results) == len(procs), f"missing reports: {results}"
     return results
 
@@ -528,21 +512,7 @@ def test_gpu_pinned_shards_staged_to_every_gpu_full_replicas(shm_dir):
     ]
     for p in procs:
         p.start()
-    results = {}
-    deadline = time.monotonic() + 200
-    try:
-        while len(results) < len(procs) and time.monotonic() < deadline:
-            try:
-                name, status, text = q.get(timeout=0.5)
-                results[name] = (status, text)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    results = collect_reports(procs, q, len(procs), 200, join_s=5).got
     assert len(results) == len(procs) and all(s == "ok" for s, _ in results.values()), results
     assert results["source-0"][1] == "cuda_ipc"
 

@@ -16,9 +16,7 @@ The two jobs run one after the other in the same processes (starting them is the
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import threading
-import time
 import traceback
 import zlib
 from datetime import timedelta
@@ -28,6 +26,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.procs import collect_reports
 
 STEPS = 22
 DENSE_AT = 9  # reader-1 loses its weights before this sync and asks for every byte
@@ -254,26 +254,10 @@ def jobs() -> dict:
     procs += [ctx.Process(target=_reader, args=(r, store.port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results: dict = {}
     expected = 2 * N_WRITERS + 3  # delta: every process; fp8: the writers and reader-0
-    deadline = time.monotonic() + 150
-    try:
-        while len(results) < expected and time.monotonic() < deadline:
-            try:
-                job, name, status, payload = q.get(timeout=0.5)
-                results[(job, name)] = (status, payload)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        assert not hung, f"processes left hanging: {hung}; results {results}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return results
+    reports = collect_reports(procs, q, expected, 150)
+    assert not reports.hung, f"processes left hanging: {reports.hung}; results {reports.got}"
+    return reports.got
 
 
 def _job(jobs: dict, job: str, names: list[str]) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import time
 import traceback
 import zlib
@@ -18,6 +17,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.procs import collect_reports
 
 STEPS = 20
 
@@ -176,24 +177,14 @@ def _run(mode: str, n_w: int = 2, n_r: int = 2, limit: float = 150.0) -> tuple[d
     t0 = time.monotonic()
     for p in procs:
         p.start()
-    results: dict = {}
-    deadline = t0 + limit
-    try:
-        while len(results) < len(procs) and time.monotonic() < deadline:
-            try:
-                name, status, text = q.get(timeout=0.5)
-                results[name] = (status, text, time.monotonic() - t0)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        assert not hung, f"processes left hanging: {hung}; results {results}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    started = time.monotonic() - t0
+    reports = collect_reports(procs, q, len(procs), limit - started)
+    # each report with its arrival, in seconds from before the processes started
+    results = {
+        name: (status, text, started + reports.arrived[name])
+        for name, (status, text) in reports.got.items()
+    }
+    assert not reports.hung, f"processes left hanging: {reports.hung}; results {results}"
     return results, time.monotonic() - t0
 
 
