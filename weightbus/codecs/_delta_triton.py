@@ -21,8 +21,9 @@ Writer, per window (:class:`WindowTable`):
 A window whose readers all get dense bytes needs no counts: one pass writes the changed
 elements into the shadow.
 
-Reader, per bucket (:class:`TargetTable`): one launch per element size and addressing mode
-writes every dense frame and scatters every sparse frame of the bucket into the live regions.
+Reader, per group of buckets (:class:`TargetTable`): one launch per element size and
+addressing mode writes every dense frame and scatters every sparse frame of the buckets into
+the live regions.
 """
 
 from __future__ import annotations

@@ -30,10 +30,14 @@ window's only wait for the device), then, once the host has chosen each route's 
 when its (indices, values) frame is smaller than its dense bytes, dense otherwise), one emit
 pass that writes the window's frames into a store and the changed elements into the shadow.
 Packing a bucket then copies its bytes (the store's, or the shadow's for a bucket sent whole)
-and its directory. Readers apply a bucket with one launch (per element size and addressing
-mode) that writes every dense frame and scatters every sparse frame into the live tensors,
-after one small device-to-host copy of its directory and one small host-to-device copy of
-where its frames go. On CPU the same steps are torch operations per route.
+and its directory. The compare passes run on a stream of their own, and a window every route
+of which went dense is sent dense in the next sync without waiting for its counts or an emit
+pass (its compare pass only brings the shadow up to date and counts, so it is compared again
+once some route would go sparse). Readers apply a window's group of buckets with one launch
+(per element size and addressing mode) that writes every dense frame and scatters every
+sparse frame into the live tensors, after one small device-to-host copy of the group's
+directories and one small host-to-device copy of where its frames go. On CPU the same steps
+are torch operations per route.
 
 Bucket wire format (little-endian, no pickle), one bucket = one byte buffer::
 
@@ -1026,10 +1030,11 @@ class DeltaDecoder:
     """A reader's side of the delta codec: applies encoded buckets to live tensors in place.
 
     The live regions of every bucket are taken once, at construction (on CUDA, with the
-    Triton table of their addresses); each bucket then costs one small device-to-host copy
-    (its directory, read by :meth:`encoded_size` or :meth:`decode`, whichever comes first),
-    and on CUDA one small host-to-device copy of its frames' places and one launch, no wait
-    (on CPU, torch ops per route). ``impl`` as for :class:`DeltaEncoder`.
+    Triton table of their addresses); a bucket's directory is read from host bytes
+    (:meth:`take_directory`, one device-to-host copy per group) or from its buffer
+    (:meth:`encoded_size`, :meth:`decode`), and on CUDA a group of buckets
+    (:meth:`decode_group`) costs one small host-to-device copy of its frames' places and one
+    launch, no wait (on CPU, torch ops per route). ``impl`` as for :class:`DeltaEncoder`.
     """
 
     def __init__(
