@@ -49,7 +49,7 @@ class SyncConfig:
     staging_buffers: int = 4
     """Staging buffers per participant; staging memory is at most this x bucket_bytes. With
     deltas a buffer holds a window's buckets to one reader (``DeltaConfig.window_bytes``), and
-    at most 2 are used (one filled while the other travels)."""
+    at most 2 are used, or one per peer where there are more (still at most this many)."""
     cast: Mapping[str, str] = field(default_factory=dict)
     """Dtype changes on the wire, writer dtype -> reader dtype, e.g. {"float32": "bfloat16"}."""
     ignore_unread: tuple[str, ...] = ()
@@ -306,9 +306,11 @@ class _Session:
         groups = self.codec.group_capacities() if self.codec is not None else None
         if groups is not None:
             # deltas: a window's buckets to one reader are staged together; two such buffers
-            # keep the link busy (one filled while the other travels)
+            # keep a link busy (one filled while the other travels), one per peer lets
+            # several links overlap
             staged = groups
-            n = min(self.config.staging_buffers, 2, len(staged))
+            peers = len({op.peer for op in self.ops})
+            n = min(self.config.staging_buffers, max(2, peers), len(staged))
         largest = max(staged, default=0)
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
         self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
