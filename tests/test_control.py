@@ -485,3 +485,36 @@ def test_calls_before_connect_are_refused():
     c.close()
     with pytest.raises(WeightbusError, match="closed"):
         c.connect()
+
+
+def test_a_gather_returns_what_was_posted_before_a_failure_was_reported():
+    """A participant that posted and then reported a failure (it found a disagreement in what
+    everyone posted) does not hide the values from a gather already waiting for them: it gets
+    them, and so sees the disagreement itself, not only the report."""
+    looked, failed = threading.Event(), threading.Event()
+
+    def body(c: ControlPlane):
+        c.post("digest/1", c.participant.name.encode())
+        if c.participant.name == "reader-0":
+            c.gather("digest/1")
+            assert looked.wait(10)
+            c.fail("reader-0: the digests disagree")
+            failed.set()
+            return None
+        real = c._call
+
+        def call(fn, *args, **kw):
+            topic = "digest/1" in str(args)
+            if getattr(fn, "__name__", "") == "check" and topic and not looked.is_set():
+                # the writer's first look finds a value missing; the reader then posts it,
+                # finds the disagreement and reports it before the writer looks again
+                looked.set()
+                assert failed.wait(10)
+                return False
+            return real(fn, *args, **kw)
+
+        c._call = call
+        return c.gather("digest/1")
+
+    out = _run(_job(1, 1), body)
+    assert out["writer-0"] == {"writer-0": b"writer-0", "reader-0": b"reader-0"}, out
