@@ -644,8 +644,10 @@ class DeltaEncoder:
         self._local = self.shadow.device.type == self.device.type
         cuda = self.device.type == "cuda" and self._kernels is not None
         self._side = torch.cuda.Stream(self.device) if cuda else None
-        """On CUDA, the compare passes' stream: a window's compare pass runs while the
-        previous window's emit pass does (one is bound by memory, the other by compute)."""
+        """On CUDA, the compare passes' stream, so that a window's compare pass may run
+        beside the previous window's emit pass (one is bound by memory, the other by
+        compute). On an H200 with 1 GiB windows they hardly overlap: the compare grid fills
+        the GPU."""
         self._layouts: list[_Layout | None] = [None] * len(self._windows)
         for w in range(len(self._windows)):
             self._layout_of(w)  # the tables, at connect

@@ -15,7 +15,8 @@ only), ``begin(version)`` (the FP8 scales of this sync, the delta decision), ``p
 per bucket (with deltas ``pack_group(op, buf)`` per group), ``end()`` once every bucket is
 packed, and ``acknowledged(version, readers)`` after the acks (``abandon()`` when the sync
 failed). A reader calls ``begin(version)``, ``unpack(op, buf)`` per bucket (with deltas
-``take_group`` and ``unpack_group`` per group), and ``end(version)`` once committed. :func:`run_sync` does all of it in one process: the reference the tests use;
+``take_group`` and ``unpack_group`` per group), and ``end(version)`` once committed.
+:func:`run_sync` does all of it in one process: the reference the tests use;
 :class:`~weightbus.Writer` and :class:`~weightbus.Reader` do it between processes.
 
 On the wire (see :mod:`weightbus.codecs.delta`), a writer window's delta buckets to one
