@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -569,6 +569,38 @@ class _Backoff:
         now = time.monotonic()
         delay = min(max((now - self.start) * self.share, _POLL_FIRST_S), _POLL_LAST_S)
         time.sleep(max(0.0, min(delay, until - now)))
+
+
+def check_agreement(
+    topic: str, key: str, got: Mapping[str, object], who: Callable[[str], str]
+) -> None:
+    """The digests everyone posted under ``key`` (``got``: name -> value) for an agreement on
+    ``topic``: :class:`ProtocolError` for a value that is not a digest (naming ``who(name)``),
+    :class:`PlanMismatch` naming who holds which when they differ."""
+    groups: dict[str, list[str]] = {}
+    for name, value in got.items():
+        if not isinstance(value, bytes) or not 0 < len(value) <= _MAX_DIGEST_BYTES:
+            raise ProtocolError(
+                f"{who(name)} posted {key!r} as {value!r:.60}, not a digest "
+                f"(1 to {_MAX_DIGEST_BYTES} bytes): is it running the same weightbus version?"
+            )
+        try:
+            text = value.decode("ascii")
+        except UnicodeDecodeError:
+            raise ProtocolError(
+                f"{who(name)} posted {key!r} as {value!r:.60}, not an ASCII "
+                "digest: is it running the same weightbus version?"
+            ) from None
+        groups.setdefault(text, []).append(name)
+    if len(groups) > 1:
+        ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+        parts = [f"{d[:16]} held by {', '.join(names)}" for d, names in ranked]
+        raise PlanMismatch(
+            f"participants disagree on {topic!r}: " + "; ".join(parts) + ". Every "
+            "participant must derive it from the same layouts with the same weightbus "
+            "version and configuration",
+            groups,
+        )
 
 
 class ControlPlane:
@@ -1510,30 +1542,7 @@ class ControlPlane:
         key = f"agree/{topic}"
         self.post(key, digest.encode())
         got = self.gather(key, timeout=timeout)
-        groups: dict[str, list[str]] = {}
-        for name, value in got.items():
-            if not isinstance(value, bytes) or not 0 < len(value) <= _MAX_DIGEST_BYTES:
-                raise ProtocolError(
-                    f"{_who(self._roster[name])} posted {key!r} as {value!r:.60}, not a digest "
-                    f"(1 to {_MAX_DIGEST_BYTES} bytes): is it running the same weightbus version?"
-                )
-            try:
-                text = value.decode("ascii")
-            except UnicodeDecodeError:
-                raise ProtocolError(
-                    f"{_who(self._roster[name])} posted {key!r} as {value!r:.60}, not an ASCII "
-                    "digest: is it running the same weightbus version?"
-                ) from None
-            groups.setdefault(text, []).append(name)
-        if len(groups) > 1:
-            ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
-            parts = [f"{d[:16]} held by {', '.join(names)}" for d, names in ranked]
-            raise PlanMismatch(
-                f"participants disagree on {topic!r}: " + "; ".join(parts) + ". Every "
-                "participant must derive it from the same layouts with the same weightbus "
-                "version and configuration",
-                groups,
-            )
+        check_agreement(topic, key, got, lambda name: _who(self._roster[name]))
         return digest
 
     def substore(self, kind: str) -> dist.Store:

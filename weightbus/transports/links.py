@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from weightbus.control.store import check_agreement
 from weightbus.errors import PlanMismatch
 from weightbus.spec import Participant
 from weightbus.transports.base import (
@@ -614,18 +615,7 @@ class _Members:
     def agree(self, topic: str, digest: str, timeout: timedelta | None = None) -> str:
         key = f"agree/{topic}"
         self.post(key, digest.encode())
-        groups: dict[str, list[str]] = {}
-        for name, value in self.gather(key, timeout=timeout).items():
-            text = value.decode("ascii", "replace") if isinstance(value, bytes) else repr(value)
-            groups.setdefault(text[:64], []).append(name)
-        if len(groups) > 1:
-            parts = [f"{d[:16]} held by {', '.join(n)}" for d, n in groups.items()]
-            raise PlanMismatch(
-                f"participants disagree on {topic!r}: " + "; ".join(parts) + ". Every "
-                "participant must derive it from the same layouts with the same weightbus "
-                "version and configuration",
-                groups,
-            )
+        check_agreement(topic, key, self.gather(key, timeout=timeout), repr)
         return digest
 
     def substore(self, kind: str) -> Any:
