@@ -48,6 +48,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from tests.procs import Spawned
 from weightbus.control.store import ListOf, Row, Schema
 from weightbus.transports.base import Handle, Transport, register_transport
 from weightbus.transports.cuda_ipc import CudaIpcTransport, _bucket_rows
@@ -725,7 +726,7 @@ class Person:
     """num_writers, num_readers, max_readers, model (config changes), sync (SyncConfig fields)."""
 
 
-class Run:
+class Run(Spawned):
     """The store and the participant processes of one test; kills leftovers on exit.
 
     >>> with Run(setup, "kill-reader", people) as run:
@@ -764,16 +765,10 @@ class Run:
 
     def __enter__(self) -> Run:
         self.started = time.monotonic()
-        for p in self.procs.values():
-            p.start()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        for p in self.procs.values():
-            if p.is_alive():
-                p.kill()
-        for p in self.procs.values():
-            p.join(10)
+        super().__exit__(*exc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def stages(self) -> str:

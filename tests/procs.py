@@ -52,3 +52,22 @@ def collect_reports(
                 out.hung.append(p)
                 p.kill()
     return out
+
+
+class Spawned:
+    """Participant processes (``self.procs``: name -> a process not started yet) as a
+    context: started on entry; on exit, the ones still alive are killed and all joined."""
+
+    procs: dict
+
+    def __enter__(self):
+        for p in self.procs.values():
+            p.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+        for p in self.procs.values():
+            p.join(10)

@@ -31,6 +31,7 @@ from torch.distributed import TCPStore
 
 import weightbus.control.store  # noqa: F401  (preloaded into the forkserver)
 import weightbus.transports.gloo  # noqa: F401
+from tests.procs import Spawned
 
 NUM_WRITERS = 2
 NUM_READERS = 2
@@ -211,7 +212,7 @@ def process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-class _Run:
+class _Run(Spawned):
     """The store and the participant processes of one run; kills leftovers on exit."""
 
     def __init__(self, scenario: str, transport: str, devices: dict[str, str] | None) -> None:
@@ -226,18 +227,6 @@ class _Run:
             device = (devices or {}).get(name, "cpu")
             args = (scenario, transport, self.store.port, self.job, role, rank, device)
             self.procs[name] = ctx.Process(target=_child, args=args, name=name, daemon=True)
-
-    def __enter__(self) -> _Run:
-        for p in self.procs.values():
-            p.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs.values():
-            if p.is_alive():
-                p.kill()
-        for p in self.procs.values():
-            p.join(10)
 
     def result(self, name: str, timeout_s: float) -> dict:
         key = f"{self.job}/result/{name}"
