@@ -171,9 +171,9 @@ def unchanged_sync_bytes(rcs):
     total = 0
     for rc in rcs:
         for op in rc.ops:
-            members = rc.group_of(op)
-            if members is not None:
-                heads = [directory_bytes(m) for m in members]
+            group = rc.group_of(op)
+            if group is not None:
+                heads = [directory_bytes(m) for m in group.ops]
                 total += sum(heads) + group_layout(heads)[1]
     return total
 

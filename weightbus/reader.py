@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import directory_bytes, group_directories_at
+from weightbus.codecs.delta import Group
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
@@ -374,8 +374,8 @@ class Reader(_Session):
         open_group: dict[int, _Group] = {}  # per writer: the group whose buckets are not posted
         received = 0
         for op in self.ops:
-            members = codec.group_of(op)
-            if members is None:
+            spec = codec.group_of(op)
+            if spec is None:
                 continue  # it comes with its group
             previous = open_group.pop(op.peer_global, None)
             if previous is not None:
@@ -385,10 +385,9 @@ class Reader(_Session):
                 received += self._decode_group(group, deadline, phases)
                 free.append(group.buf)
             buf = free.popleft()
-            at = group_directories_at(members)
-            dirs = buf[at : at + sum(directory_bytes(m) for m in members)]
+            dirs = buf[spec.directories_at : spec.directories_at + spec.directories]
             handle = self.transport.recv(op.peer_global, dirs, op.bucket)
-            group = _Group(members, buf, dirs, handle)
+            group = _Group(spec, buf, dirs, handle)
             pending.append(group)
             open_group[op.peer_global] = group
         while pending:
@@ -404,9 +403,8 @@ class Reader(_Session):
         self.transport.wait([group.head], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         raw = group.dirs.cpu().numpy().tobytes()  # one copy for the window
-        body = group.buf[: group_directories_at(group.members)]  # not over the directories
-        group.parts, n = self.codec.take_group(group.members, raw, body)
-        first = group.members[0]
+        group.parts, n = self.codec.take_group(group.spec, raw, group.buf)
+        first = group.spec.ops[0]
         tag = rest_tag(first, len(self.plan.buckets))
         group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
         group.size = len(raw) + n
@@ -425,7 +423,7 @@ class Reader(_Session):
         phases["unpack"] += time.perf_counter() - t
         if self._verifier is not None:
             t = time.perf_counter()
-            for op in group.members:
+            for op in group.spec.ops:
                 self._verifier.add(op, region_views(op, self.codec.tensors))
             phases["verify"] += time.perf_counter() - t
         return got
@@ -435,12 +433,10 @@ class _Group:
     """A writer window's buckets to this reader being received: the handle of their
     directories, then of the buckets."""
 
-    __slots__ = ("buf", "dirs", "head", "members", "parts", "rest", "size")
+    __slots__ = ("buf", "dirs", "head", "parts", "rest", "size", "spec")
 
-    def __init__(
-        self, members: tuple[BucketOp, ...], buf: torch.Tensor, dirs: torch.Tensor, head: Handle
-    ) -> None:
-        self.members, self.buf, self.dirs, self.head = members, buf, dirs, head
+    def __init__(self, spec: Group, buf: torch.Tensor, dirs: torch.Tensor, head: Handle) -> None:
+        self.spec, self.buf, self.dirs, self.head = spec, buf, dirs, head
         self.parts: list[tuple[BucketOp, int]] = []
         """Each bucket and where it starts in ``buf``, once the directories were read."""
         self.rest: Handle | None = None

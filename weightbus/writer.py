@@ -9,7 +9,7 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import group_directories_at
+from weightbus.codecs.delta import Group
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
@@ -246,7 +246,7 @@ class Writer(_Session):
                     phases["pack"] += time.perf_counter() - t
                     handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
                 else:
-                    handles, n = self._send_group(op, buf, phases)
+                    handles, n = self._send_group(op, group, buf, phases)
                 staged.append((handles, buf))
                 sent += n
             if verifier is not None:
@@ -272,17 +272,15 @@ class Writer(_Session):
         return sent
 
     def _send_group(
-        self, op: BucketOp, buf: torch.Tensor, phases: dict[str, float]
+        self, op: BucketOp, group: Group, buf: torch.Tensor, phases: dict[str, float]
     ) -> tuple[list[Handle], int]:
         """Deltas: encode the window's buckets to ``op``'s reader into ``buf`` and send them
         as two messages: their directories (whose sizes the reader knows), then the buckets
         themselves; return the handles and the bytes sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
         t = time.perf_counter()
-        members = self.codec.group(op)
-        assert members is not None
         directories, n = self.codec.pack_group(op, buf)
-        at = group_directories_at(members)
+        at = group.directories_at
         on_device = buf[at : at + directories.numel()]
         on_device.copy_(directories, non_blocking=True)
         phases["pack"] += time.perf_counter() - t

@@ -99,8 +99,7 @@ __all__ = [
     "checksum",
     "directory_bytes",
     "encoded_size",
-    "group_capacity",
-    "group_directories_at",
+    "Group",
     "group_layout",
     "window_index",
 ]
@@ -215,17 +214,29 @@ def group_layout(used: Sequence[int]) -> tuple[list[int], int]:
     return starts, end
 
 
-def group_capacity(ops: Sequence[BucketOp]) -> int:
-    """Staging bytes for a group of these buckets: its largest second message (every bucket
-    at :func:`capacity`), then, from :func:`group_directories_at`, its directories."""
-    return group_directories_at(ops) + sum(directory_bytes(op) for op in ops)
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A writer window's buckets to one reader, which travel together (fixed at connect, the
+    same on both sides): their directories, then the encoded buckets (:func:`group_layout`),
+    staged in one buffer."""
 
+    ops: tuple[BucketOp, ...]
+    directories_at: int
+    """Where the directories lie in the staging buffer: after the largest second message
+    (every bucket at :func:`capacity`), so both messages use memory registered once."""
+    directories: int
+    """The directories' bytes (the first message)."""
 
-def group_directories_at(ops: Sequence[BucketOp]) -> int:
-    """Where a group's directories lie in its staging buffer (after the largest second
-    message, so both messages use memory the transport registered once)."""
-    end = group_layout([capacity(op) for op in ops])[1]
-    return -(-end // GROUP_ALIGN) * GROUP_ALIGN
+    @classmethod
+    def of(cls, ops: Sequence[BucketOp]) -> Group:
+        end = group_layout([capacity(op) for op in ops])[1]
+        at = -(-end // GROUP_ALIGN) * GROUP_ALIGN
+        return cls(tuple(ops), at, sum(directory_bytes(op) for op in ops))
+
+    @property
+    def capacity(self) -> int:
+        """Staging bytes the group needs."""
+        return self.directories_at + self.directories
 
 
 def encoded_size(directory: torch.Tensor) -> int:
@@ -634,6 +645,11 @@ class DeltaEncoder:
             for i, bk in enumerate(win):
                 at = first.setdefault(bk.op.peer, bk.op.bucket)
                 self._groups.setdefault(at, []).append(i)
+        self._group = {
+            b: Group.of([self._windows[self._window_of[b]][i].op for i in members])
+            for b, members in self._groups.items()
+        }
+        """The same groups, as both sides describe them (first bucket -> :class:`Group`)."""
         self._directories: dict[int, torch.Tensor] = {}
         host = config.shadow == "host" or self.device.type == "cpu"
         pin = host and self.device.type == "cuda" and torch.cuda.is_available()
@@ -707,26 +723,22 @@ class DeltaEncoder:
             del self._open[w]
         return self._emit(self._buckets[op.bucket], enc, win, buf)
 
-    def group(self, op: BucketOp) -> tuple[BucketOp, ...] | None:
-        """When bucket ``op`` is the first of its window's buckets to its reader: all of them
-        (they travel together, :meth:`encode_group`); else None."""
-        members = self._groups.get(op.bucket)
-        if members is None:
-            return None
-        win = self._windows[self._window_of[op.bucket]]
-        return tuple(win[i].op for i in members)
+    def group(self, op: BucketOp) -> Group | None:
+        """When bucket ``op`` is the first of its window's buckets to its reader: their
+        :class:`Group` (they travel together, :meth:`encode_group`); else None."""
+        return self._group.get(op.bucket)
 
     @torch.no_grad()
     def encode_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Encode the group that bucket ``op`` starts (:meth:`group`) into ``buf`` (at least
-        :func:`group_capacity` bytes) as :func:`group_layout` lays it out; return its
+        its :attr:`Group.capacity` bytes) as :func:`group_layout` lays it out; return its
         directories (a host tensor, pinned on CUDA: the message a reader takes first) and
         the bytes of the group's message in ``buf``."""
-        members = self.group(op)
-        if members is None:
+        group = self.group(op)
+        if group is None:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} does not start a group")
         at = end = 0
-        for m in members:
+        for m in group.ops:
             end = at + self.encode(m, buf[at:])
             at = -(-end // GROUP_ALIGN) * GROUP_ALIGN
         return self._directories.pop(op.bucket), end

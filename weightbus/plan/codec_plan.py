@@ -51,9 +51,9 @@ from weightbus.codecs.delta import (
     DeltaDecoder,
     DeltaEncoder,
     DeltaPolicy,
+    Group,
     capacity,
     directory_bytes,
-    group_capacity,
     group_layout,
     window_index,
 )
@@ -305,9 +305,10 @@ class WriterCodec:
         """With deltas: the fixed first part of the bucket, sent before the rest."""
         return directory_bytes(op) if self.encoder else None
 
-    def group(self, op: BucketOp) -> tuple[BucketOp, ...] | None:
-        """Deltas: when bucket ``op`` is the first of its window's buckets to its reader, all
-        of them (they travel together: :meth:`pack_group`); else None."""
+    def group(self, op: BucketOp) -> Group | None:
+        """Deltas: when bucket ``op`` is the first of its window's buckets to its reader,
+        their :class:`~weightbus.codecs.delta.Group` (they travel together:
+        :meth:`pack_group`); else None."""
         return self.encoder.group(op) if self.encoder is not None else None
 
     def pack_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -324,7 +325,7 @@ class WriterCodec:
         if self.encoder is None:
             return None
         groups = (self.encoder.group(op) for op in self.ops)
-        return [group_capacity(g) for g in groups if g is not None]
+        return [g.capacity for g in groups if g is not None]
 
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes of a bucket that may be sent in place (one contiguous route in the
@@ -424,7 +425,7 @@ class ReaderCodec:
         self.decoder = (
             DeltaDecoder(self.ops, self.tensors, self.name) if codecs.delta is not None else None
         )
-        self._group: dict[int, tuple[BucketOp, ...]] = {}
+        self._group: dict[int, Group] = {}
         if codecs.delta is not None:
             self._group = _directory_groups(plan, self.ops, codecs.delta.window_bytes)
         self.version: int | None = None
@@ -447,10 +448,10 @@ class ReaderCodec:
             return None
         return direct_view(op, self.tensors)
 
-    def group_of(self, op: BucketOp) -> tuple[BucketOp, ...] | None:
+    def group_of(self, op: BucketOp) -> Group | None:
         """Deltas: when ``op`` is the first of its writer's window's buckets to this reader,
-        all of them (their directories arrive as one message before ``op``'s rest); else
-        None."""
+        their :class:`~weightbus.codecs.delta.Group` (their directories arrive as one message,
+        then the buckets as another); else None."""
         return self._group.get(op.bucket)
 
     def take_directory(self, op: BucketOp, raw: bytes, buf: torch.Tensor) -> int:
@@ -460,11 +461,13 @@ class ReaderCodec:
         return self.decoder.take_directory(op, raw, buf)
 
     def take_group(
-        self, members: Sequence[BucketOp], raw: bytes, buf: torch.Tensor
+        self, group: Group, raw: bytes, buf: torch.Tensor
     ) -> tuple[list[tuple[BucketOp, int]], int]:
         """Deltas: a group's directories (``raw``, the group's first message) for the group
-        that lands in ``buf``: each bucket and its offset there, and the bytes of the group's
-        second message. Raises when the sizes do not add up."""
+        that lands in its staging buffer ``buf``: each bucket and its offset there, and the
+        bytes of the group's second message. Raises when the sizes do not add up."""
+        members = group.ops
+        buf = buf[: group.directories_at]  # the buckets never reach the directories
         parts, used, at = [], [], 0
         start = 0
         for m in members:
@@ -495,7 +498,7 @@ class ReaderCodec:
         """Deltas: the staging bytes each group needs; None without deltas."""
         if self.decoder is None:
             return None
-        return [group_capacity(g) for g in self._group.values()]
+        return [g.capacity for g in self._group.values()]
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
         """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
@@ -525,8 +528,8 @@ class ReaderCodec:
 
 def _directory_groups(
     plan: TransferPlan, ops: Sequence[BucketOp], window_bytes: int
-) -> dict[int, tuple[BucketOp, ...]]:
-    """A reader's buckets grouped as their writers send the directories: per writer window
+) -> dict[int, Group]:
+    """A reader's buckets grouped as their writers send them: per writer window
     (:func:`~weightbus.codecs.delta.window_index` over the writer's program in the plan),
     keyed by the group's first bucket."""
     window: dict[int, int] = {}
@@ -537,7 +540,7 @@ def _directory_groups(
     groups: dict[tuple[int, int], list[BucketOp]] = {}
     for op in ops:
         groups.setdefault((op.peer, window[op.bucket]), []).append(op)
-    return {g[0].bucket: tuple(g) for g in groups.values()}
+    return {g[0].bucket: Group.of(g) for g in groups.values()}
 
 
 def _random_bytes(n: int, device: torch.device) -> torch.Tensor:
@@ -594,17 +597,19 @@ def run_sync(
         # brings the group, its directories first
         group, members = w.group(wop), r.group_of(rop)
         if (group is None) != (members is None) or (
-            group is not None and [g.bucket for g in group] != [m.bucket for m in members]
+            group is not None
+            and members is not None
+            and [g.bucket for g in group.ops] != [m.bucket for m in members.ops]
         ):
             raise AssertionError(f"bucket {b}: writer and reader group the buckets differently")
         if group is None or members is None:
             continue
-        sent = _random_bytes(group_capacity(group), w.device)
+        sent = _random_bytes(group.capacity, w.device)
         directories, n = w.pack_group(wop, sent)
         if ri in absent:
             continue
         raw = directories.numpy().tobytes()
-        got = _random_bytes(group_capacity(members), r.device)
+        got = _random_bytes(members.capacity, r.device)
         parts, total = r.take_group(members, raw, got)
         if total != n:
             raise AssertionError(f"bucket {b}: the directories say {total} bytes, {n} were sent")
