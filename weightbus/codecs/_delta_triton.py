@@ -17,6 +17,8 @@ Writer, per window (:class:`WindowTable`):
 3. emit, after the host chose each route's frame (a plan row per route): the changed elements'
    indices and values into the route's sparse frame, or all its values into a dense frame, and
    in every case the changed elements into the shadow (the shadow then equals the new values).
+   Outside dense frames it visits the changed elements only, by the bitmask's words: one step
+   per set bit of the word that has the most, each step taking every word's lowest one.
 
 A window whose readers all get dense bytes needs no counts: one pass writes the changed
 elements into the shadow.
@@ -86,13 +88,10 @@ def _flat(dims, t):
 
 
 @triton.jit
-def _tile(tiles_ptr, routes_ptr, g, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Tile ``g`` of a window: its route's row, its elements' flat indices in the route (which
-    are also their places in the shadow), which are in the route, and their offsets in the new
-    values' region (elements)."""
-    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
-    t = g - tl.load(row + 3)
-    j = tl.arange(0, BLOCK)
+def _at(row, t, j, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements ``j`` (within the tile) of tile ``t`` of the route at ``row``: their flat
+    indices in the route (which are also their places in the shadow), which are in the route,
+    and their offsets in the new values' region (elements)."""
     dims = row + 8
     if MODE == 0:
         u = t * BLOCK + j
@@ -110,6 +109,14 @@ def _tile(tiles_ptr, routes_ptr, g, MODE: tl.constexpr, BLOCK: tl.constexpr):
         u = t * BLOCK + j
         valid = u < tl.load(row + 4)
         off = _flat(dims, u)
+    return u, valid, off
+
+
+@triton.jit
+def _tile(tiles_ptr, routes_ptr, g, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``g`` of a window: its route's row, then :func:`_at` of all its elements."""
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    u, valid, off = _at(row, g - tl.load(row + 3), tl.arange(0, BLOCK), MODE, BLOCK)
     return row, u, valid, off
 
 
@@ -182,38 +189,51 @@ def _emit_kernel(
     ASM: tl.constexpr,
 ):
     g = first + tl.program_id(0).to(tl.int64)
-    row, u, valid, off = _tile(tiles_ptr, routes_ptr, g, MODE, BLOCK)
-    words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(
-        tl.uint32, bitcast=True
-    )
-    # each element's place among the tile's changed ones: the changed elements of the words
-    # before its word, then those below its bit in its word (popcounts: a scan over words,
-    # not over elements, which took the pass 1.6 times as long on an H200)
-    lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-    per_word = _popcount(words, ASM)
-    below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-    before = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [BLOCK])
-    changed = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    t = g - tl.load(row + 3)
     p = plan_ptr + tl.load(row + 6) * 4
     kind = tl.load(p)
     at = tl.load(p + 1)
-    # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
-    dense = tl.where(kind == 2, valid, False)
-    new_at = tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)
-    new = tl.load(new_at.to(tl.pointer_type(T)) + off, mask=changed | dense, other=0)
+    new_ptr = (tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)).to(tl.pointer_type(T))
     old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
-    tl.store(old_ptr + u, new, mask=changed)
-    tl.store((store_ptr + at).to(tl.pointer_type(T)) + u, new, mask=dense)
-    # sparse: the k-th changed element of the route goes to place k of its frame
-    sparse = tl.where(kind == 1, changed, False)
-    ix = tl.load(p + 3)
-    pos = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3)) + before
-    tl.store((store_ptr + tl.load(p + 2)).to(tl.pointer_type(T)) + pos, new, mask=sparse)
-    index_at = store_ptr + at
-    i4 = tl.where(ix == 4, sparse, False)
-    tl.store(index_at.to(tl.pointer_type(tl.int32)) + pos, u.to(tl.int32), mask=i4)
-    i8 = tl.where(ix == 8, sparse, False)
-    tl.store(index_at.to(tl.pointer_type(tl.int64)) + pos, u, mask=i8)
+    if kind == 2:
+        # a dense frame: all the tile's values (the shadow takes them all, the same bytes)
+        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+        new = tl.load(new_ptr + off, mask=valid)
+        tl.store(old_ptr + u, new, mask=valid)
+        tl.store((store_ptr + at).to(tl.pointer_type(T)) + u, new, mask=valid)
+    else:
+        # the changed elements only, one per word of the bitmask and step: each step takes
+        # every word's lowest set bit, so the steps are the most changed elements of one word
+        # (about 3 at 1% changed), not the tile's elements (2048 lanes, which made the pass
+        # bound by compute); the k-th changed element of the route goes to place k of its
+        # frame, as the tile's changed ones come in word order and in bit order within a word
+        words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(
+            tl.uint32, bitcast=True
+        )
+        per_word = _popcount(words, ASM)
+        place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
+        place = place + tl.cumsum(per_word, axis=0) - per_word
+        ix = tl.load(p + 3)
+        values_ptr = (store_ptr + tl.load(p + 2)).to(tl.pointer_type(T))
+        word_at = tl.arange(0, BLOCK // 32) * 32
+        for _ in range(tl.max(per_word, axis=0)):
+            hit = words != 0
+            lowest = words & ~(words - 1)
+            u, valid, off = _at(row, t, word_at + _popcount(lowest - 1, ASM), MODE, BLOCK)
+            new = tl.load(new_ptr + off, mask=hit, other=0)
+            tl.store(old_ptr + u, new, mask=hit)
+            if kind == 1:
+                tl.store(values_ptr + place, new, mask=hit)
+                # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
+                i4 = tl.where(ix == 4, hit, False)
+                tl.store(
+                    (store_ptr + at).to(tl.pointer_type(tl.int32)) + place, u.to(tl.int32), mask=i4
+                )
+                i8 = tl.where(ix == 8, hit, False)
+                tl.store((store_ptr + at).to(tl.pointer_type(tl.int64)) + place, u, mask=i8)
+            words = words & (words - 1)
+            place = place + 1
 
 
 @triton.jit(do_not_specialize=["n", "steps"])
@@ -428,7 +448,7 @@ class WindowTable:
             for isz, mode, first, n in self.groups:
                 _emit_kernel[(n,)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first,
-                    T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=not INTERPRETED, num_warps=4,
+                    T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=not INTERPRETED, num_warps=2,
                 )  # fmt: skip
 
 
