@@ -37,7 +37,6 @@ from weightbus.codecs.delta import (
     checksum,
     directory_bytes,
     encoded_size,
-    group_layout,
 )
 from weightbus.codecs.fp8 import Fp8Config, scale_name
 from weightbus.errors import WeightbusError
@@ -167,15 +166,8 @@ def start(codecs, bucket_bytes=2048):
 
 def unchanged_sync_bytes(rcs):
     """What travels when nothing changed: per reader's group, its directories (the first
-    message) and again each at the head of its bucket in the second."""
-    total = 0
-    for rc in rcs:
-        for op in rc.ops:
-            group = rc.group_of(op)
-            if group is not None:
-                heads = [directory_bytes(m) for m in group.ops]
-                total += sum(heads) + group_layout(heads)[1]
-    return total
+    message); the second has no frames."""
+    return sum(directory_bytes(op) for rc in rcs for op in rc.ops if rc.decoder is not None)
 
 
 def assert_exact(rs, got, canon, skip=()):
@@ -281,6 +273,41 @@ def test_bit_exact_over_50_steps_with_resharding(variant):
             # changes are counted; the sync after is sparse again)
             assert moved - fixed < 0.25 * dense_bytes, (step, moved, fixed, dense_bytes)
     assert all(r.version == 50 for r in rcs)
+
+
+def test_groups_of_plain_buckets_are_sent_from_the_shadow(monkeypatch):
+    """A group whose buckets all travel whole (dense) is sent straight from the writer's
+    shadow, which lays out each group as its second message does; other groups from the
+    staging buffer. Windows holding buckets to several readers, readers bit exact."""
+    codecs = CodecConfig(delta=DeltaConfig(window_bytes=6000))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    assert any(len({bk.op.peer for bk in win}) > 1 for w in wcs for win in w.encoder._windows)
+    shadow_sent: list[bool] = []
+    pack_group = WriterCodec.pack_group
+
+    def spy(self, op, buf):
+        directories, rest = pack_group(self, op, buf)
+        storage = rest.untyped_storage().data_ptr()
+        assert storage in (buf.untyped_storage().data_ptr(), self.encoder.shadow.data_ptr())
+        shadow_sent.append(storage == self.encoder.shadow.data_ptr())
+        return directories, rest
+
+    monkeypatch.setattr(WriterCodec, "pack_group", spy)
+    g = torch.Generator().manual_seed(3)
+    # dense (nothing sent before), 1% changed (frames), every element changed (dense again)
+    for step, fraction, from_shadow in ((1, 0.0, True), (2, 0.01, False), (3, 1.0, True)):
+        if fraction:
+            change(canon, g, fraction)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, canon, t)
+        if from_shadow:  # every byte travels: a missed one fails
+            for r in got:
+                for t in r.values():
+                    poison(t)
+        shadow_sent.clear()
+        run_sync(plan, wcs, rcs, step)
+        assert_exact(rs, got, canon)
+        assert shadow_sent and set(shadow_sent) == {from_shadow}, (step, shadow_sent)
 
 
 def test_windows_that_went_dense_are_sent_dense_until_they_would_not():

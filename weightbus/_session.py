@@ -314,7 +314,9 @@ class _Session:
         largest = max(staged, default=0)
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
         self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
-        self.transport.register(self._staging)
+        # deltas: plain groups are sent from the writer's shadow
+        shadow = self.codec.send_buffers() if self.role == "writer" and self.codec else []
+        self.transport.register(self._staging + shadow)
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(
             Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)

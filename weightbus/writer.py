@@ -279,7 +279,7 @@ class Writer(_Session):
         themselves; return the handles and the bytes sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
         t = time.perf_counter()
-        directories, n = self.codec.pack_group(op, buf)
+        directories, rest = self.codec.pack_group(op, buf)  # rest: in buf, or the shadow's
         at = group.directories_at
         on_device = buf[at : at + directories.numel()]
         on_device.copy_(directories, non_blocking=True)
@@ -288,6 +288,6 @@ class Writer(_Session):
         tag = rest_tag(op, len(self.plan.buckets))
         handles = [
             self.transport.send(op.peer_global, on_device, op.bucket),
-            self.transport.send(op.peer_global, buf[:n], tag),
+            self.transport.send(op.peer_global, rest, tag),
         ]
-        return handles, on_device.numel() + n
+        return handles, on_device.numel() + rest.numel()

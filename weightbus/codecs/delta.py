@@ -29,8 +29,10 @@ bitmask), a cumsum of the counts and one small device-to-host copy of each route
 window's only wait for the device), then, once the host has chosen each route's frame (sparse
 when its (indices, values) frame is smaller than its dense bytes, dense otherwise), one emit
 pass that writes the window's frames into a store and the changed elements into the shadow.
-Packing a bucket then copies its bytes (the store's, or the shadow's for a bucket sent whole)
-and its directory. The compare passes run on a stream of their own, and a window every route
+The emit pass takes the changed elements word by word of the bitmask (at 1% changed, a few
+steps per tile instead of a lane per element). Packing a group then copies its buckets' frames
+(the store's, or the shadow's for a bucket sent whole), or nothing when they all travel whole
+(then the group is sent from the shadow). The compare passes run on a stream of their own, and a window every route
 of which went dense is sent dense in the next sync without waiting for its counts or an emit
 pass (its compare pass only brings the shadow up to date and counts, so it is compared again
 once some route would go sparse). Readers apply a window's group of buckets with one launch
@@ -56,9 +58,11 @@ The header and directory have a fixed size per bucket (:func:`directory_bytes`),
 can read them first and then take exactly ``used`` bytes. Between processes a writer sends a
 window's buckets to one reader together (a *group*, :meth:`DeltaEncoder.encode_group`), as
 two messages: the group's directories, concatenated (a size the reader knows from the plan,
-as it derives the same windows: :func:`window_index`), then the encoded buckets one after the
+as it derives the same windows: :func:`window_index`), then the buckets' frames one after the
 other, each at a :data:`GROUP_ALIGN` boundary (:func:`group_layout`), whose size the
-directories give. A reader so waits for sizes once per window, not once per bucket, and
+directories give. The shadow lays out each group's buckets the same way, so a group whose
+buckets all travel plain (a dense sync, or every route changed enough) is sent straight from
+the shadow, without a copy. A reader so waits for sizes once per window, not once per bucket, and
 applies a group with one launch: measured on two GPUs, each such wait (the directory's
 arrival, a device-to-host copy, posting the receive) and each apply (its directory read, its
 table copied, its launch) cost about a millisecond of host time per bucket at 256 MiB
@@ -99,6 +103,7 @@ __all__ = [
     "checksum",
     "directory_bytes",
     "encoded_size",
+    "GROUP_FORMAT",
     "Group",
     "group_layout",
     "window_index",
@@ -200,12 +205,16 @@ def window_index(nbytes: Sequence[int], window_bytes: int) -> list[int]:
 
 GROUP_ALIGN = 256
 """Where each bucket of a window's group starts in the group's message (bytes)."""
+GROUP_FORMAT = 2
+"""The layout of a group's messages, part of the codec agreement: 2, frames only in the second
+message (1 repeated each bucket's directory there)."""
 
 
 def group_layout(used: Sequence[int]) -> tuple[list[int], int]:
-    """A window's group on the wire: its buckets, encoded (directory and frames, ``used``
-    bytes each), one after the other at :data:`GROUP_ALIGN`-byte boundaries; returns each
-    one's offset and the message's bytes."""
+    """A window's group on the wire, its second message: its buckets' frames (``used``
+    bytes each; their directories came in the first message), one after the other at
+    :data:`GROUP_ALIGN`-byte boundaries; returns each one's offset and the message's bytes.
+    The shadow holds a group's buckets the same way, so plain ones are sent from it as is."""
     starts, at = [], 0
     for n in used:
         starts.append(at)
@@ -223,13 +232,14 @@ class Group:
     ops: tuple[BucketOp, ...]
     directories_at: int
     """Where the directories lie in the staging buffer: after the largest second message
-    (every bucket at :func:`capacity`), so both messages use memory registered once."""
+    (every bucket's frames at :func:`capacity`), so both messages use memory registered
+    once."""
     directories: int
     """The directories' bytes (the first message)."""
 
     @classmethod
     def of(cls, ops: Sequence[BucketOp]) -> Group:
-        end = group_layout([capacity(op) for op in ops])[1]
+        end = group_layout([capacity(op) - directory_bytes(op) for op in ops])[1]
         at = -(-end // GROUP_ALIGN) * GROUP_ALIGN
         return cls(tuple(ops), at, sum(directory_bytes(op) for op in ops))
 
@@ -625,31 +635,32 @@ class DeltaEncoder:
         self._kernels = _kernels(impl, self.device, name)
         self._fill = fill
         self._views = views if views is not None else (lambda op: None)
-        self._buckets: dict[int, _Bucket] = {}
-        windows: list[list[_Bucket]] = []
-        total = 0
         index = window_index([op.nbytes for op in ops], config.window_bytes)
+        by_window: list[list[BucketOp]] = []
         for op, w in zip(ops, index, strict=True):
-            self._buckets[op.bucket] = bk = _Bucket(op, total)
-            total += -(-op.nbytes // 256) * 256
-            if w == len(windows):
-                windows.append([])
-            windows[-1].append(bk)
-        self._windows = tuple(tuple(w) for w in windows)
-        self._window_of = {bk.op.bucket: w for w, win in enumerate(windows) for bk in win}
-        # a window's buckets to one reader: their directories travel as one message, sent
-        # with the first of them (first bucket -> the group's positions in the window)
-        self._groups: dict[int, list[int]] = {}
-        for win in windows:
-            first: dict[int, int] = {}
-            for i, bk in enumerate(win):
-                at = first.setdefault(bk.op.peer, bk.op.bucket)
-                self._groups.setdefault(at, []).append(i)
-        self._group = {
-            b: Group.of([self._windows[self._window_of[b]][i].op for i in members])
-            for b, members in self._groups.items()
-        }
-        """The same groups, as both sides describe them (first bucket -> :class:`Group`)."""
+            if w == len(by_window):
+                by_window.append([])
+            by_window[-1].append(op)
+        # a window's buckets to one reader travel together (a group, keyed by its first
+        # bucket); the shadow holds each group's buckets one after the other, as the group's
+        # second message lays out plain buckets, so a group of plain buckets is sent straight
+        # from the shadow
+        self._buckets: dict[int, _Bucket] = {}
+        self._groups: dict[int, list[BucketOp]] = {}
+        total = 0
+        for win_ops in by_window:
+            groups: dict[int, list[BucketOp]] = {}
+            for op in win_ops:
+                groups.setdefault(op.peer, []).append(op)
+            for members in groups.values():
+                self._groups[members[0].bucket] = members
+                for op in members:
+                    self._buckets[op.bucket] = _Bucket(op, total)
+                    total += -(-op.nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        self._windows = tuple(tuple(self._buckets[op.bucket] for op in w) for w in by_window)
+        self._window_of = {op.bucket: w for w, win in enumerate(by_window) for op in win}
+        self._group = {b: Group.of(members) for b, members in self._groups.items()}
+        """The groups, as both sides describe them (first bucket -> :class:`Group`)."""
         self._directories: dict[int, torch.Tensor] = {}
         host = config.shadow == "host" or self.device.type == "cpu"
         pin = host and self.device.type == "cuda" and torch.cuda.is_available()
@@ -709,39 +720,45 @@ class DeltaEncoder:
 
     @torch.no_grad()
     def encode(self, op: BucketOp, buf: torch.Tensor) -> int:
-        """Encode bucket ``op`` into ``buf`` (uint8, at least :func:`capacity` bytes), update
-        the shadow; return the bytes to send."""
-        if self._decision is None:
-            raise RuntimeError(f"{self.name}: DeltaEncoder.begin(decision) before encode")
-        if op.bucket in self._done:
-            raise RuntimeError(f"{self.name}: bucket {op.bucket} was encoded twice in one sync")
-        self._done.add(op.bucket)
-        w = self._window_of[op.bucket]
-        win = self._ready(w, self._decision)
-        enc = win.encoded.pop(op.bucket)
-        if not win.encoded:
-            del self._open[w]
-        return self._emit(self._buckets[op.bucket], enc, win, buf)
+        """Encode bucket ``op`` into ``buf`` (uint8, at least :func:`capacity` bytes: its
+        directory, then its frames), update the shadow; return the bytes to send."""
+        bk, enc, win = self._take(op)
+        m_at, used, _ = enc
+        self._emit(bk, enc, win, buf[bk.head :])
+        buf[: bk.head].copy_(win.meta[m_at : m_at + bk.head], non_blocking=True)
+        return used
 
     def group(self, op: BucketOp) -> Group | None:
         """When bucket ``op`` is the first of its window's buckets to its reader: their
         :class:`Group` (they travel together, :meth:`encode_group`); else None."""
         return self._group.get(op.bucket)
 
+    @property
+    def sends_shadow(self) -> bool:
+        """Whether :meth:`encode_group` may return bytes of :attr:`shadow` to send (a shadow
+        on the writer's device), which the transport should then register."""
+        return self._local
+
     @torch.no_grad()
-    def encode_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Encode the group that bucket ``op`` starts (:meth:`group`) into ``buf`` (at least
-        its :attr:`Group.capacity` bytes) as :func:`group_layout` lays it out; return its
-        directories (a host tensor, pinned on CUDA: the message a reader takes first) and
-        the bytes of the group's message in ``buf``."""
+    def encode_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the group that bucket ``op`` starts (:meth:`group`), laid out as
+        :func:`group_layout` says; return its directories (a host tensor, pinned on CUDA: the
+        message a reader takes first) and the group's second message: bytes of ``buf`` (at
+        least its :attr:`Group.capacity`), or of the shadow when every bucket of the group
+        is sent whole (then nothing is copied). Either stays untouched until the sync ends."""
         group = self.group(op)
         if group is None:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} does not start a group")
+        taken = [self._take(m) for m in group.ops]
+        directories = self._directories.pop(op.bucket)
+        if self._local and all(enc[2] is None for _, enc, _ in taken):
+            first, last = taken[0][0], taken[-1][0]
+            return directories, self.shadow[first.base : last.base + last.op.nbytes]
         at = end = 0
-        for m in group.ops:
-            end = at + self.encode(m, buf[at:])
+        for bk, enc, win in taken:
+            end = at + self._emit(bk, enc, win, buf[at:])
             at = -(-end // GROUP_ALIGN) * GROUP_ALIGN
-        return self._directories.pop(op.bucket), end
+        return directories, buf[:end]
 
     def prepare(self, op: BucketOp) -> None:
         """Analyze the window of bucket ``op`` now, unless done: its frames and the shadow
@@ -768,7 +785,8 @@ class DeltaEncoder:
         lay = self._layouts[w]
         if lay is not None and all(a is b for a, b in zip(lay.sources, sources, strict=True)):
             return lay
-        base = bks[0].base
+        # the window's bytes in the shadow: its groups one after the other
+        base = min(bk.base for bk in bks)
         routes, filled, scratch = [], [], 0
         for bk, views in zip(bks, sources, strict=True):
             if views is None:
@@ -804,7 +822,7 @@ class DeltaEncoder:
             bks=bks,
             sources=sources,
             base=base,
-            end=bks[-1].base + bks[-1].op.nbytes,
+            end=max(bk.base + bk.op.nbytes for bk in bks),
             filled=filled,
             scratch_bytes=scratch,
             bucket=np.repeat(np.arange(len(bks)), per_bucket),
@@ -891,11 +909,15 @@ class DeltaEncoder:
                 m_at = int(lay.meta_at[b])
                 sums = np.array([checksum(self.shadow_of(bk.op))], "<u8").view(np.uint8)
                 meta[m_at + _HEAD.size - 8 : m_at + _HEAD.size] = sums
+        where = {bk.op.bucket: i for i, bk in enumerate(lay.bks)}
         for bk in lay.bks:
             members = self._groups.get(bk.op.bucket)
             if members is None:
                 continue
-            parts = [meta[lay.meta_at[i] : lay.meta_at[i] + lay.bks[i].head] for i in members]
+            at = [int(lay.meta_at[where[m.bucket]]) for m in members]
+            parts = [
+                meta[a : a + self._buckets[m.bucket].head] for a, m in zip(at, members, strict=True)
+            ]
             group = torch.from_numpy(np.concatenate(parts))
             self._directories[bk.op.bucket] = (
                 group.pin_memory() if self.device.type == "cuda" else group
@@ -975,19 +997,31 @@ class DeltaEncoder:
 
     # -- packing one bucket: copies only -------------------------------------------------------
 
-    def _emit(self, bk: _Bucket, enc: tuple, win: _Window, buf: torch.Tensor) -> int:
-        decision = self._decision
-        assert decision is not None and win.meta is not None
+    def _take(self, op: BucketOp) -> tuple[_Bucket, tuple, _Window]:
+        """Bucket ``op``'s window, analyzed, and its place in it (once per bucket and sync)."""
+        if self._decision is None:
+            raise RuntimeError(f"{self.name}: DeltaEncoder.begin(decision) before encode")
+        if op.bucket in self._done:
+            raise RuntimeError(f"{self.name}: bucket {op.bucket} was encoded twice in one sync")
+        self._done.add(op.bucket)
+        w = self._window_of[op.bucket]
+        win = self._ready(w, self._decision)
+        enc = win.encoded.pop(op.bucket)
+        if not win.encoded:
+            del self._open[w]
+        return self._buckets[op.bucket], enc, win
+
+    def _emit(self, bk: _Bucket, enc: tuple, win: _Window, out: torch.Tensor) -> int:
+        """Copy bucket ``bk``'s frames to the start of ``out``; return their bytes."""
         op, head = bk.op, bk.head
-        m_at, used, at = enc
+        _, used, at = enc
         if at is None:
             o = bk.base - win.lay.base
-            buf[head : head + op.nbytes].copy_(win.work[o : o + op.nbytes])
+            out[: op.nbytes].copy_(win.work[o : o + op.nbytes])
         elif used > head:
             assert win.store is not None
-            buf[head:used].copy_(win.store[at : at + used - head])
-        buf[:head].copy_(win.meta[m_at : m_at + head], non_blocking=True)
-        return used
+            out[: used - head].copy_(win.store[at : at + used - head])
+        return used - head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1013,16 +1047,17 @@ class _Directory:
     """A received bucket's header and directory, parsed, with where each frame lies."""
 
     buf: int
-    """The address of the buffer it was read from (a later bucket there is another)."""
+    """The address its frames start at (a later bucket there is another)."""
     version: int
     base: int
-    used: int
+    frames: int
+    """The bytes of its frames (the header's used bytes less the directory's)."""
     flags: int
     checksum: int
     sparse: np.ndarray
     """Per route: whether its frame is sparse (else dense)."""
     offset: np.ndarray
-    """Per route: its frame's byte offset in the bucket."""
+    """Per route: its frame's byte offset from the first frame."""
     ix: np.ndarray
     unit: np.ndarray
     count: np.ndarray
@@ -1094,13 +1129,10 @@ class DeltaDecoder:
             f"{self.name}: bucket {op.bucket} from writer {op.peer} ({tensors}): {what}"
         )
 
-    def _parse(self, op: BucketOp, buf: torch.Tensor, raw: bytes | None = None) -> _Directory:
-        """Bucket ``op``'s directory, read from the start of ``buf`` (one device-to-host copy)
-        or given as ``raw`` bytes; its frames are (to be) in ``buf`` after it."""
+    def _parse(self, op: BucketOp, raw: bytes, address: int, room: int) -> _Directory:
+        """Bucket ``op``'s directory from its ``raw`` bytes, for its frames, which are (to
+        be) at ``address``, in ``room`` bytes."""
         head_bytes = directory_bytes(op)
-        if raw is None:
-            # bytes, a copy: on CPU .numpy() would share memory with buf, which is reused
-            raw = buf[:head_bytes].cpu().numpy().tobytes()
         if len(raw) != head_bytes:
             raise self._error(op, f"directory of {len(raw)} bytes, expected {head_bytes}")
         magic, n, flags, _, used, version, base, sums = _HEAD.unpack_from(raw, 0)
@@ -1141,40 +1173,39 @@ class DeltaDecoder:
             )
         count = count.astype(np.int64)
         if plain:
-            offset = head_bytes + st.offset
-            end = head_bytes + op.nbytes
+            offset = st.offset
+            end = op.nbytes
         else:
             step = np.where(dense, _aligned(nbytes), 0)
-            first = head_bytes + int(step.sum())
+            first = int(step.sum())
             frame = np.where(sparse, _aligned(count * ix) + count * unit, 0)
             at = np.cumsum(_aligned(frame)) - _aligned(frame)
-            offset = np.where(dense, head_bytes + np.cumsum(step) - step, first + at)
+            offset = np.where(dense, np.cumsum(step) - step, first + at)
             last = np.flatnonzero(sparse)
             end = int(offset[last[-1]] + frame[last[-1]]) if len(last) else first
-        if end != used:
-            raise self._error(op, f"frames end at byte {end}, the header says {used}")
-        if used > buf.numel():
-            raise self._error(op, f"claims {used} bytes, the buffer holds {buf.numel()}")
-        return _Directory(
-            buf.data_ptr(), version, base, used, flags, sums, sparse, offset, ix, unit, count
-        )
+        if head_bytes + end != used:
+            raise self._error(op, f"frames end at byte {head_bytes + end}, the header says {used}")
+        if end > room:
+            raise self._error(op, f"has {end} bytes of frames, the buffer holds {room}")
+        return _Directory(address, version, base, end, flags, sums, sparse, offset, ix, unit, count)
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
-        """The bytes of bucket ``op`` encoded at the start of ``buf``, of which only the first
-        :func:`directory_bytes` need to have arrived. The directory is kept for
-        :meth:`decode`, so that the bucket costs one device-to-host copy in all."""
-        d = self._parse(op, buf)
-        self._read[op.bucket] = d
-        return d.used
+        """The bytes of bucket ``op`` encoded at the start of ``buf`` (its directory, then its
+        frames), of which only the first :func:`directory_bytes` need to have arrived. The
+        directory is kept for :meth:`decode`, so that the bucket costs one device-to-host
+        copy in all."""
+        head = directory_bytes(op)
+        # bytes, a copy: on CPU .numpy() would share memory with buf, which is reused
+        raw = buf[:head].cpu().numpy().tobytes()
+        d = self._read[op.bucket] = self._parse(op, raw, buf.data_ptr() + head, buf.numel() - head)
+        return head + d.frames
 
-    def take_directory(self, op: BucketOp, raw: bytes, buf: torch.Tensor) -> int:
-        """Bucket ``op``'s directory as it arrived apart (in its window's group, see
-        :meth:`DeltaEncoder.group_directory`), for the frames that will land in ``buf``
-        after :func:`directory_bytes`; returns the bucket's encoded bytes. Kept for
-        :meth:`decode`."""
-        d = self._parse(op, buf, raw)
-        self._read[op.bucket] = d
-        return d.used
+    def take_directory(self, op: BucketOp, raw: bytes, frames: torch.Tensor) -> int:
+        """Bucket ``op``'s directory as it arrived apart (in its window's group's first
+        message), for its frames, which will land at the start of ``frames``; returns the
+        frames' bytes. Kept for :meth:`decode_group`."""
+        d = self._read[op.bucket] = self._parse(op, raw, frames.data_ptr(), frames.numel())
+        return d.frames
 
     def _target(self, op: BucketOp, i: int, unit: int) -> tuple:
         """Where route ``i``'s sparse values of ``unit`` bytes land: (flat view or None, unit
@@ -1198,7 +1229,11 @@ class DeltaDecoder:
     def decode(self, op: BucketOp, buf: torch.Tensor, *, version: int, held: int | None) -> None:
         """Apply the encoded bucket at the start of ``buf`` (uint8, :func:`capacity` bytes)
         to the live tensors; ``held`` is the version they hold before it."""
-        self.decode_group([(op, 0)], buf, version=version, held=held)
+        head = directory_bytes(op)
+        d = self._read.get(op.bucket)
+        if d is None or d.buf != buf.data_ptr() + head:
+            self.encoded_size(op, buf)
+        self.decode_group([(op, head)], buf, version=version, held=held)
 
     @torch.no_grad()
     def decode_group(
@@ -1209,15 +1244,18 @@ class DeltaDecoder:
         version: int,
         held: int | None,
     ) -> None:
-        """Apply encoded buckets that lie in ``buf`` (uint8), each ``(op, offset)`` starting at
-        byte ``offset``: a window's group (see :func:`group_layout`). On CUDA one launch (per
-        element size and addressing mode) applies all of them."""
+        """Apply the frames of buckets that lie in ``buf`` (uint8), each ``(op, offset)``
+        starting at byte ``offset``, their directories taken before
+        (:meth:`take_directory`): a window's group (see :func:`group_layout`). On CUDA one
+        launch (per element size and addressing mode) applies all of them."""
         dirs = []
         for op, at in parts:
-            view = buf[at:]
             d = self._read.pop(op.bucket, None)
-            if d is None or d.buf != view.data_ptr():
-                d = self._parse(op, view)
+            if d is None or d.buf != buf.data_ptr() + at:
+                raise RuntimeError(
+                    f"{self.name}: bucket {op.bucket}'s directory was not taken for the frames "
+                    f"at byte {at} of this buffer (take_directory first)"
+                )
             if d.version != version:
                 raise self._error(op, f"carries version {d.version}, expected {version}")
             if d.base >= 0 and d.base != held:

@@ -46,6 +46,7 @@ import torch
 
 from weightbus.codecs.delta import (
     GROUP_ALIGN,
+    GROUP_FORMAT,
     DeltaConfig,
     DeltaDecision,
     DeltaDecoder,
@@ -95,10 +96,13 @@ class CodecConfig:
 
     def key(self) -> str:
         """What both sides must agree on: FP8's options; of the delta options only the
-        window (readers group the directories by it), the others are the writers' alone."""
+        window (readers group the directories by it) and the groups' layout
+        (:data:`~weightbus.codecs.delta.GROUP_FORMAT`), the others are the writers' alone."""
         parts = [
             self.fp8.key() if self.fp8 else "fp8=off",
-            f"delta=on;window={self.delta.window_bytes}" if self.delta else "delta=off",
+            f"delta=on;groups={GROUP_FORMAT};window={self.delta.window_bytes}"
+            if self.delta
+            else "delta=off",
         ]
         return "|".join(parts)
 
@@ -311,14 +315,22 @@ class WriterCodec:
         :meth:`pack_group`); else None."""
         return self.encoder.group(op) if self.encoder is not None else None
 
-    def pack_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def pack_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Deltas: encode the group bucket ``op`` starts into ``buf``; return its directories
-        (host bytes, the first message) and the bytes of its second message, in ``buf``."""
+        (host bytes, the first message) and its second message: bytes of ``buf``, or of the
+        shadow for a group of plain buckets (:meth:`send_buffers`)."""
         if self._version is None or self.encoder is None:
             raise RuntimeError(
                 f"writer {self.name!r}: begin(version) with deltas before pack_group"
             )
         return self.encoder.encode_group(op, buf)
+
+    def send_buffers(self) -> list[torch.Tensor]:
+        """What sends may read besides the staging buffers and live tensors (for transports
+        that register memory): with deltas, a shadow on the writer's device."""
+        if self.encoder is None or not self.encoder.sends_shadow:
+            return []
+        return [self.encoder.shadow]
 
     def group_capacities(self) -> list[int] | None:
         """Deltas: the staging bytes each group needs; None without deltas."""
@@ -454,18 +466,20 @@ class ReaderCodec:
         then the buckets as another); else None."""
         return self._group.get(op.bucket)
 
-    def take_directory(self, op: BucketOp, raw: bytes, buf: torch.Tensor) -> int:
-        """Deltas: bucket ``op``'s directory, received in its group, for the bucket that lands
-        at the start of ``buf``; returns the bucket's encoded bytes (kept for decoding)."""
+    def take_directory(self, op: BucketOp, raw: bytes, frames: torch.Tensor) -> int:
+        """Deltas: bucket ``op``'s directory, received in its group, for the frames that land
+        at the start of ``frames``; returns their bytes (the directory is kept for
+        decoding)."""
         assert self.decoder is not None, "take_directory is for delta buckets"
-        return self.decoder.take_directory(op, raw, buf)
+        return self.decoder.take_directory(op, raw, frames)
 
     def take_group(
         self, group: Group, raw: bytes, buf: torch.Tensor
     ) -> tuple[list[tuple[BucketOp, int]], int]:
         """Deltas: a group's directories (``raw``, the group's first message) for the group
-        that lands in its staging buffer ``buf``: each bucket and its offset there, and the
-        bytes of the group's second message. Raises when the sizes do not add up."""
+        that lands in its staging buffer ``buf``: each bucket and where its frames start
+        there, and the bytes of the group's second message. Raises when the sizes do not add
+        up."""
         members = group.ops
         buf = buf[: group.directories_at]  # the buckets never reach the directories
         parts, used, at = [], [], 0
@@ -604,16 +618,17 @@ def run_sync(
             raise AssertionError(f"bucket {b}: writer and reader group the buckets differently")
         if group is None or members is None:
             continue
-        sent = _random_bytes(group.capacity, w.device)
-        directories, n = w.pack_group(wop, sent)
+        directories, sent = w.pack_group(wop, _random_bytes(group.capacity, w.device))
         if ri in absent:
             continue
         raw = directories.numpy().tobytes()
         got = _random_bytes(members.capacity, r.device)
-        parts, total = r.take_group(members, raw, got)
-        if total != n:
-            raise AssertionError(f"bucket {b}: the directories say {total} bytes, {n} were sent")
-        got[:n] = sent[:n].to(r.device)
+        parts, n = r.take_group(members, raw, got)
+        if n != sent.numel():
+            raise AssertionError(
+                f"bucket {b}: the directories say {n} bytes, {sent.numel()} were sent"
+            )
+        got[:n] = sent.to(r.device)
         r.unpack_group(parts, got)
         moved += len(raw) + n
     for w in writers:
