@@ -228,12 +228,20 @@ def test_a_windows_directories_travel_as_one_message_per_reader(window):
         assert_exact(rs, got, canon)
 
 
-@pytest.mark.parametrize("variant", ["one window", "small windows", "shadow copied per window"])
+@pytest.mark.parametrize(
+    "variant",
+    ["one window", "small windows", "small windows, one a pass", "shadow copied per window"],
+)
 def test_bit_exact_over_50_steps_with_resharding(variant):
-    window = 3000 if variant == "small windows" else 1 << 30
-    codecs = CodecConfig(delta=DeltaConfig(checksum_every=5, window_bytes=window))
+    small = variant.startswith("small windows")
+    per_pass = 1 if variant.endswith("one a pass") else 2
+    codecs = CodecConfig(
+        delta=DeltaConfig(
+            checksum_every=5, window_bytes=3000 if small else 1 << 30, windows_per_pass=per_pass
+        )
+    )
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
-    if variant == "small windows":
+    if small:
         assert all(len(w.encoder._windows) > 2 for w in wcs)
     if variant == "shadow copied per window":
         # what a GPU writer with a host shadow does: compare against a copy, write it back

@@ -192,7 +192,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         device = torch.device("cuda", gpu)
         wdesc, rdesc, *_ = SCENARIOS[args.scenario]
         transport = args.scenario_transport or args.transport
-        codecs = _scenario_codecs(args.scenario, args.fp8_block)
+        codecs = _scenario_codecs(args.scenario, args.fp8_block, args.window_mb)
         if codecs and not args.scenario_transport:
             transport = "nccl"
         model = model_spec(args.model, dtype="bfloat16")
@@ -337,14 +337,16 @@ class _Profile:
         return False
 
 
-def _scenario_codecs(scenario: str, fp8_block: int = 128) -> dict:
-    """SyncConfig codec fields of a scenario: S6 FP8, S7 deltas (checksums only on request)."""
+def _scenario_codecs(scenario: str, fp8_block: int = 128, window_mb: int | None = None) -> dict:
+    """SyncConfig codec fields of a scenario: S6 FP8, S7 deltas (checksums only on request;
+    windows of ``window_mb`` MiB, default DeltaConfig's)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
         return {"fp8": Fp8Config(block=fp8_block)}
     if scenario == "S7":
-        return {"delta": DeltaConfig(checksum_every=0)}
+        window = {} if window_mb is None else {"window_bytes": window_mb << 20}
+        return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
 
 
@@ -589,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
         default=128,
         help="S6: FP8 block side (default 128; small models need 32: fused parts start there)",
     )
+    p.add_argument(
+        "--window-mb",
+        type=int,
+        default=None,
+        help="S7: the delta writer's window in MiB (default: DeltaConfig's)",
+    )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument(
@@ -744,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["quantize_gbps"] = round(_quantize_gbps(a.iters), 1)
         if sname == "S7":
             entry["changed_fraction"] = a.changed
+            entry["window_mb"] = a.window_mb or _scenario_codecs("S7")["delta"].window_bytes >> 20
             entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
         scenarios.append(entry)
         print(

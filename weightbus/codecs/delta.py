@@ -145,6 +145,11 @@ class DeltaConfig:
     byte per element and the positions of the changed ones; and the window's frames) grows
     with it. A window's directories travel together (one round trip per window and reader),
     so readers must use the same value: it is part of the codecs both sides agree on."""
+    windows_per_pass: int = 2
+    """The writer analyzes this many consecutive windows at once: one compare and one emit
+    pass, and one host wait, for all of them (its scratch grows accordingly). Its host work
+    per pass (the wait, the frames' layout, the launches) is about fixed, so on a GPU with 1
+    GiB windows one window a pass left the writer waiting on its own host; writer-side only."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
@@ -154,6 +159,8 @@ class DeltaConfig:
             raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: on request)")
         if self.shadow not in _SHADOWS:
             raise ValueError(f"shadow={self.shadow!r} must be one of {_SHADOWS}")
+        if self.windows_per_pass < 1:
+            raise ValueError(f"windows_per_pass={self.windows_per_pass} must be >= 1")
         if self.window_bytes < 1:
             raise ValueError(
                 f"window_bytes={self.window_bytes} must be >= 1 (e.g. 1 << 30; a window holds "
@@ -657,8 +664,11 @@ class DeltaEncoder:
                 for op in members:
                     self._buckets[op.bucket] = _Bucket(op, total)
                     total += -(-op.nbytes // GROUP_ALIGN) * GROUP_ALIGN
-        self._windows = tuple(tuple(self._buckets[op.bucket] for op in w) for w in by_window)
-        self._window_of = {op.bucket: w for w, win in enumerate(by_window) for op in win}
+        # analyzed windows_per_pass windows at a time: from here on a "window" is such a pass
+        k = config.windows_per_pass
+        passes = [sum(by_window[i : i + k], []) for i in range(0, len(by_window), k)]
+        self._windows = tuple(tuple(self._buckets[op.bucket] for op in w) for w in passes)
+        self._window_of = {op.bucket: w for w, win in enumerate(passes) for op in win}
         self._group = {b: Group.of(members) for b, members in self._groups.items()}
         """The groups, as both sides describe them (first bucket -> :class:`Group`)."""
         self._directories: dict[int, torch.Tensor] = {}
