@@ -24,6 +24,7 @@ from tests.test_codec_fp8 import (
 from weightbus.codecs.delta import (
     _ENT,
     _HEAD,
+    FLAG_PLAIN,
     GROUP_ALIGN,
     MAGIC,
     SPARSE,
@@ -286,11 +287,22 @@ def test_bit_exact_over_50_steps_with_resharding(variant):
 def test_groups_of_plain_buckets_are_sent_from_the_shadow(monkeypatch):
     """A group whose buckets all travel whole (dense) is sent straight from the writer's
     shadow, which lays out each group as its second message does; other groups from the
-    staging buffer. Windows holding buckets to several readers, readers bit exact."""
+    staging buffer, in one copy (their plain buckets too). Windows holding buckets to
+    several readers, readers bit exact."""
+    plain_groups_case(monkeypatch, "torch")
+
+
+def plain_groups_case(monkeypatch, impl: str) -> None:
     codecs = CodecConfig(delta=DeltaConfig(window_bytes=6000))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    for w in wcs:
+        e = w.encoder
+        w.encoder = DeltaEncoder(w.ops, codecs.delta, fill=e._fill, views=e._views, impl=impl)
+    for r in rcs:
+        r.decoder = DeltaDecoder(r.ops, r.tensors, r.name, impl=impl)
     assert any(len({bk.op.peer for bk in win}) > 1 for w in wcs for win in w.encoder._windows)
     shadow_sent: list[bool] = []
+    mixed = []  # groups with plain and framed buckets
     pack_group = WriterCodec.pack_group
 
     def spy(self, op, buf):
@@ -298,13 +310,25 @@ def test_groups_of_plain_buckets_are_sent_from_the_shadow(monkeypatch):
         storage = rest.untyped_storage().data_ptr()
         assert storage in (buf.untyped_storage().data_ptr(), self.encoder.shadow.data_ptr())
         shadow_sent.append(storage == self.encoder.shadow.data_ptr())
+        raw, at, plain = directories.numpy().tobytes(), 0, set()
+        for m in self.group(op).ops:
+            plain.add(bool(_HEAD.unpack_from(raw, at)[2] & FLAG_PLAIN))
+            at += directory_bytes(m)
+        mixed.append(len(plain) == 2)
         return directories, rest
 
     monkeypatch.setattr(WriterCodec, "pack_group", spy)
     g = torch.Generator().manual_seed(3)
-    # dense (nothing sent before), 1% changed (frames), every element changed (dense again)
-    for step, fraction, from_shadow in ((1, 0.0, True), (2, 0.01, False), (3, 1.0, True)):
-        if fraction:
+    # dense (nothing sent before), 1% changed (frames), every element changed (dense again,
+    # and so is the next sync, while the changes are counted), then one tensor wholly and the
+    # others 1% (groups of plain and framed buckets)
+    steps = [(1, 0.0, True), (2, 0.01, False), (3, 1.0, True), (4, "a.weight", True)]
+    steps.append((5, "a.weight", None))  # (groups of a.weight's buckets alone: plain)
+    for step, fraction, from_shadow in steps:
+        if fraction == "a.weight":
+            change({"a.weight": canon["a.weight"]}, g, 1.0)
+            change({t: v for t, v in canon.items() if t != "a.weight"}, g, 0.01)
+        elif fraction:
             change(canon, g, fraction)
         for lay, t in zip(ws, live, strict=True):
             fill_from_canonical(lay, canon, t)
@@ -313,9 +337,11 @@ def test_groups_of_plain_buckets_are_sent_from_the_shadow(monkeypatch):
                 for t in r.values():
                     poison(t)
         shadow_sent.clear()
+        mixed.clear()
         run_sync(plan, wcs, rcs, step)
         assert_exact(rs, got, canon)
-        assert shadow_sent and set(shadow_sent) == {from_shadow}, (step, shadow_sent)
+        assert shadow_sent and set(shadow_sent) == {from_shadow} or from_shadow is None
+        assert any(mixed) == (step == 5), (step, mixed)
 
 
 def test_windows_that_went_dense_are_sent_dense_until_they_would_not():
@@ -848,6 +874,13 @@ def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, monk
 
 
 @interpreted
+def test_interp_groups_of_plain_buckets(monkeypatch):
+    """As test_groups_of_plain_buckets_are_sent_from_the_shadow, on the Triton path: plain
+    buckets of groups with framed ones are written whole by the emit pass."""
+    plain_groups_case(monkeypatch, "triton")
+
+
+@interpreted
 def test_interp_addressing_modes():
     from weightbus.codecs._delta_triton import CONTIG, FLAT, ROWS, region_mode
 
@@ -922,7 +955,7 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
     from weightbus.layouts.families import model_spec
 
     log = {"counter": None, "inside": collections.Counter(), "launches": collections.Counter()}
-    for name in ("_compare_kernel", "_emit_kernel", "_apply_kernel"):
+    for name in ("_compare_kernel", "_emit_kernel", "_emit_steps_kernel", "_apply_kernel"):
         kernel = _CountedKernel(getattr(_delta_triton, name), name, log)
         monkeypatch.setattr(_delta_triton, name, kernel)
     config = {
@@ -974,7 +1007,7 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
     groups = sum(len(lay.table.groups) for lay in wc.encoder._layouts)
     assert log["launches"] == {
         "_compare_kernel": groups,
-        "_emit_kernel": groups,
+        "_emit_steps_kernel": groups,  # few changed: step by step
         "_apply_kernel": buckets,
     }
     w_ops = sum(writer.ops.values()) - log["inside"][writer]

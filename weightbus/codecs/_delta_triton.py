@@ -42,10 +42,11 @@ import triton.language as tl
 BLOCK = 2048
 """Elements per tile (one program)."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-EMIT_STEPS = 8
-"""The emit pass steps through a tile's changed elements word by word up to this many per
-word; beyond, it takes a lane per element (measured on an H200, 1 GiB of bf16: 0.9 against
-1.7 ms at 1% changed, 1.3 against 1.8 at 5%, but 4.0 against 1.9 at 30%)."""
+STEPS_BELOW = 0.08
+"""A window whose changed elements are fewer than this fraction of its elements is emitted
+step by step (:func:`_emit_steps_kernel`), else a lane per element (:func:`_emit_kernel`).
+Measured on an H200, 1 GiB of bf16: 0.9 against 1.7 ms at 1% changed, 1.3 against 1.8 at 5%,
+but 4.0 against 1.9 at 30%."""
 """Whether these kernels run in Triton's CPU interpreter (tests), taking CPU tensors."""
 
 # addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
@@ -177,21 +178,55 @@ def _popcount(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _take(new_ptr, old_ptr, values_ptr, index_ptr, u, off, hit, place, kind, ix, T: tl.constexpr):
+def _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, place, kind, T: tl.constexpr):
     """Changed elements ``hit`` (flat indices ``u`` in the route, ``off`` in the new values'
-    region) into the shadow and, in a sparse frame (``kind`` 1), to ``place`` of its values
-    and indices."""
+    region) into the shadow and, in a sparse frame (``kind`` 1, plan row ``p``), to ``place``
+    of its values and indices."""
     new = tl.load(new_ptr + off, mask=hit, other=0)
     tl.store(old_ptr + u, new, mask=hit)
     if kind == 1:
-        tl.store(values_ptr + place, new, mask=hit)
+        tl.store((store_ptr + tl.load(p + 2)).to(tl.pointer_type(T)) + place, new, mask=hit)
+        ix = tl.load(p + 3)
+        index_at = store_ptr + tl.load(p + 1)
         # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
         i4 = tl.where(ix == 4, hit, False)
-        tl.store(index_ptr.to(tl.pointer_type(tl.int32)) + place, u.to(tl.int32), mask=i4)
+        tl.store(index_at.to(tl.pointer_type(tl.int32)) + place, u.to(tl.int32), mask=i4)
         i8 = tl.where(ix == 8, hit, False)
-        tl.store(index_ptr.to(tl.pointer_type(tl.int64)) + place, u, mask=i8)
+        tl.store(index_at.to(tl.pointer_type(tl.int64)) + place, u, mask=i8)
 
 
+@triton.jit
+def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g,
+                T: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """What both emit kernels read first of tile ``g``: its route's row, its tile index in the
+    route, its plan row, where its new and previous values are, its bitmask's words, their
+    popcounts, and where the first changed element of each word goes in a sparse frame (the
+    k-th changed element of the route goes to place k: a tile's changed elements come in word
+    order, and in bit order within a word)."""
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    p = plan_ptr + tl.load(row + 6) * 4
+    new_ptr = (tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)).to(tl.pointer_type(T))
+    old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
+    words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(
+        tl.uint32, bitcast=True
+    )
+    per_word = _popcount(words, ASM)
+    place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
+    place = place + tl.cumsum(per_word, axis=0) - per_word
+    return row, g - tl.load(row + 3), p, new_ptr, old_ptr, words, per_word, place
+
+
+@triton.jit
+def _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T: tl.constexpr, MODE: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """A tile of a dense frame: all its values (the shadow takes them all, the same bytes)."""
+    u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+    new = tl.load(new_ptr + off, mask=valid)
+    tl.store(old_ptr + u, new, mask=valid)
+    tl.store((store_ptr + tl.load(p + 1)).to(tl.pointer_type(T)) + u, new, mask=valid)
+
+
+# tile and entry offsets vary per launch: one compiled kernel for all of them
 @triton.jit(do_not_specialize=["first"])
 def _emit_kernel(
     tiles_ptr,
@@ -207,54 +242,58 @@ def _emit_kernel(
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
     ASM: tl.constexpr,
-    STEPS: tl.constexpr,
 ):
+    """Emit, a lane per element of the tile, each placed by popcounts."""
     g = first + tl.program_id(0).to(tl.int64)
-    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
-    t = g - tl.load(row + 3)
-    p = plan_ptr + tl.load(row + 6) * 4
+    row, t, p, new_ptr, old_ptr, words, per_word, place = _emit_start(
+        tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g, T, BLOCK, ASM
+    )
     kind = tl.load(p)
-    at = tl.load(p + 1)
-    new_ptr = (tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)).to(tl.pointer_type(T))
-    old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
     if kind == 2:
-        # a dense frame: all the tile's values (the shadow takes them all, the same bytes)
-        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-        new = tl.load(new_ptr + off, mask=valid)
-        tl.store(old_ptr + u, new, mask=valid)
-        tl.store((store_ptr + at).to(tl.pointer_type(T)) + u, new, mask=valid)
+        _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
     else:
-        words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(
-            tl.uint32, bitcast=True
-        )
-        per_word = _popcount(words, ASM)
-        # the k-th changed element of the route goes to place k of its frame: the tile's
-        # changed elements come in word order, and in bit order within a word
-        place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
-        place = place + tl.cumsum(per_word, axis=0) - per_word
-        ix = tl.load(p + 3)
-        values_ptr = (store_ptr + tl.load(p + 2)).to(tl.pointer_type(T))
-        steps = tl.max(per_word, axis=0)
-        if steps > STEPS:
-            # many changed: a lane per element of the tile, placed by popcounts
-            lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-            below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-            at_k = tl.reshape(place[:, None] + below, [BLOCK])
-            hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
-            u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-            _take(new_ptr, old_ptr, values_ptr, store_ptr + at, u, off, hit, at_k, kind, ix, T)
-        else:
-            # few: one step per set bit of the word that has the most, each step taking every
-            # word's lowest one (about 3 steps at 1% changed instead of a lane per element,
-            # which made the pass bound by compute)
-            word_at = tl.arange(0, BLOCK // 32) * 32
-            for _ in range(steps):
-                hit = words != 0
-                lowest = words & ~(words - 1)
-                u, valid, off = _at(row, t, word_at + _popcount(lowest - 1, ASM), MODE, BLOCK)
-                _take(new_ptr, old_ptr, values_ptr, store_ptr + at, u, off, hit, place, kind, ix, T)
-                words = words & (words - 1)
-                place = place + 1
+        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+        at_k = tl.reshape(place[:, None] + below, [BLOCK])
+        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+        _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, at_k, kind, T)
+
+
+@triton.jit(do_not_specialize=["first"])
+def _emit_steps_kernel(
+    tiles_ptr,
+    routes_ptr,
+    work_ptr,
+    scratch_ptr,
+    cum_ptr,
+    bits_ptr,
+    plan_ptr,
+    store_ptr,
+    first,
+    T: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Emit, the changed elements only: one step per set bit of the word that has the most,
+    each step taking every word's lowest one (about 3 steps at 1% changed)."""
+    g = first + tl.program_id(0).to(tl.int64)
+    row, t, p, new_ptr, old_ptr, words, per_word, place = _emit_start(
+        tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g, T, BLOCK, ASM
+    )
+    kind = tl.load(p)
+    if kind == 2:
+        _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
+    else:
+        word_at = tl.arange(0, BLOCK // 32) * 32
+        for _ in range(tl.max(per_word, axis=0)):
+            hit = words != 0
+            lowest = words & ~(words - 1)
+            u, valid, off = _at(row, t, word_at + _popcount(lowest - 1, ASM), MODE, BLOCK)
+            _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, place, kind, T)
+            words = words & (words - 1)
+            place = place + 1
 
 
 @triton.jit(do_not_specialize=["n", "steps"])
@@ -368,6 +407,7 @@ class WindowTable:
         self.device = torch.device(device)
         self.block = block
         self.slots = len(routes)
+        self.elements = sum(r[3] for r in routes)
         rows: list[tuple[tuple[int, int], int, list[int], int]] = []
         for slot, (new, _, isz, numel, scratch_at, old_at) in enumerate(routes):
             if numel == 0:
@@ -456,21 +496,24 @@ class WindowTable:
         ends = cum.index_select(0, self._ends).cpu().numpy()
         return ends[self.slots :] - ends[: self.slots], (cum, bits)
 
-    def emit(self, state, work, scratch, plan: np.ndarray, store) -> None:
+    def emit(self, state, work, scratch, plan: np.ndarray, store, changed: int) -> None:
         """Launch the emit pass with ``plan`` (per slot: kind, frame offset in ``store``,
-        values offset, index size): frames into ``store``, changed elements into the shadow."""
+        values offset, index size): frames into ``store``, changed elements into the shadow;
+        ``changed``: how many elements changed in the window (which kernel is faster)."""
         cum, bits = state
         if cum is None:
             return
         scratch = work if scratch is None else scratch
         store = work if store is None else store
         rows = _on(plan.astype(np.int64), self.device)
+        few = changed < STEPS_BELOW * self.elements
+        kernel, warps = (_emit_steps_kernel, 2) if few else (_emit_kernel, 4)
         with _device_context(self.device):
             for isz, mode, first, n in self.groups:
-                _emit_kernel[(n,)](
+                kernel[(n,)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first,
                     T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=not INTERPRETED,
-                    STEPS=EMIT_STEPS, num_warps=2,
+                    num_warps=warps,
                 )  # fmt: skip
 
 

@@ -537,7 +537,7 @@ class _TorchWindow:
         bounds = torch.searchsorted(pos, self._starts).cpu().numpy()
         return np.diff(bounds), (pos, bounds)
 
-    def emit(self, state, work, scratch, plan: np.ndarray, store) -> None:
+    def emit(self, state, work, scratch, plan: np.ndarray, store, changed: int = 0) -> None:
         pos, bounds = state
         pairs = self._views(work, scratch)
         for k, (kind, at, vat, ix) in enumerate(plan.tolist()):
@@ -586,6 +586,12 @@ class _Layout:
     """Per bucket: where its header and directory start among the window's."""
     records: np.ndarray
     """Per route: its directory entry's index among the window's 16-byte records."""
+    offset: np.ndarray
+    """Per route: its offset in its bucket (the plan's layout, as a plain bucket sends it)."""
+    group: np.ndarray
+    """Per bucket: its group's index in the window."""
+    order: np.ndarray
+    """The window's buckets (indices) as the shadow holds them: group by group."""
     template: bytes
     """Every bucket's header and directory, every route dense."""
     table: object
@@ -595,7 +601,9 @@ class _Layout:
 class _Window:
     """One window of the current sync, from its compare pass until its last bucket is packed."""
 
-    __slots__ = ("dense", "encoded", "event", "lay", "meta", "scratch", "state", "store", "work")
+    __slots__ = (
+        "dense", "encoded", "event", "lay", "meta", "scratch", "spans", "state", "store", "work",
+    )  # fmt: skip
 
     def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool) -> None:
         self.lay, self.work, self.dense = lay, work, dense
@@ -609,7 +617,11 @@ class _Window:
         """Per bucket: (meta offset, used bytes, store offset of its frames or None: sent
         whole, from the shadow)."""
         self.store: torch.Tensor | None = None
-        """The window's framed buckets' bytes after their directories, as they go on the wire."""
+        """The second messages of the window's groups that have framed buckets, as they go on
+        the wire (their plain buckets too, whole)."""
+        self.spans: dict[int, tuple[int, int] | None] = {}
+        """Per group (its first bucket): its second message's bytes in :attr:`store`, or None
+        when all its buckets are plain (it is sent from :attr:`work`)."""
         self.meta: torch.Tensor | None = None
         """Every bucket's header and directory (pinned on CUDA, copied without waiting)."""
         self.event: torch.cuda.Event | None = None
@@ -761,14 +773,22 @@ class DeltaEncoder:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} does not start a group")
         taken = [self._take(m) for m in group.ops]
         directories = self._directories.pop(op.bucket)
-        if self._local and all(enc[2] is None for _, enc, _ in taken):
+        win = taken[0][2]
+        span = win.spans.pop(op.bucket)
+        if span is None:  # every bucket plain: their bytes as the shadow holds them
             first, last = taken[0][0], taken[-1][0]
-            return directories, self.shadow[first.base : last.base + last.op.nbytes]
-        at = end = 0
-        for bk, enc, win in taken:
-            end = at + self._emit(bk, enc, win, buf[at:])
-            at = -(-end // GROUP_ALIGN) * GROUP_ALIGN
-        return directories, buf[:end]
+            o = first.base - win.lay.base
+            whole = win.work[o : last.base - win.lay.base + last.op.nbytes]
+            if self._local:
+                return directories, whole
+            n = whole.numel()
+            buf[:n].copy_(whole)  # a host shadow's device copy: dropped with its window
+            return directories, buf[:n]
+        n = span[1] - span[0]
+        if n:  # (nothing changed: no frames)
+            assert win.store is not None
+            buf[:n].copy_(win.store[span[0] : span[1]])
+        return directories, buf[:n]
 
     def prepare(self, op: BucketOp) -> None:
         """Analyze the window of bucket ``op`` now, unless done: its frames and the shadow
@@ -809,6 +829,12 @@ class DeltaEncoder:
             if views is None:
                 scratch += -(-bk.op.nbytes // 256) * 256
         per_bucket = [len(bk.op.copies) for bk in bks]
+        group_of: dict[int, int] = {}  # bucket -> its group's index in the window
+        for bk in bks:
+            members = self._groups.get(bk.op.bucket)
+            if members is not None:
+                n = len(set(group_of.values()))
+                group_of.update((m.bucket, n) for m in members)
         isz = np.array([r[2] for r in routes], np.int64)
         numel = np.array([r[3] for r in routes], np.int64)
         heads = np.array([bk.head for bk in bks], np.int64)
@@ -841,6 +867,9 @@ class DeltaEncoder:
             nbytes=isz * numel,
             meta_at=meta_at,
             records=(first + _ENT.size * within) // _ENT.size,
+            offset=np.array([c.offset for bk in bks for c in bk.op.copies], np.int64),
+            group=np.array([group_of[bk.op.bucket] for bk in bks], np.int64),
+            order=np.argsort([bk.base for bk in bks], kind="stable"),
             template=b"".join(bk.template for bk in bks),
             table=table if table is not None else _TorchWindow(routes, self.device),
         )
@@ -906,7 +935,7 @@ class DeltaEncoder:
                 self._dense.discard(w)
         plan = self._plan(win, decision, counts, sparse)
         if not win.dense:
-            lay.table.emit(win.state, win.work, win.scratch, plan, win.store)
+            lay.table.emit(win.state, win.work, win.scratch, plan, win.store, int(counts.sum()))
         if not self._local:
             # a host shadow: take the window's new bytes back before anything reads them
             self.shadow[lay.base : lay.end].copy_(win.work)
@@ -963,10 +992,20 @@ class DeltaEncoder:
         start[order] = at - at[np.minimum(first, len(at) - 1)][lay.bucket[order]]
         body = np.zeros(nb, np.int64)  # bytes after the directory
         np.maximum.at(body, lay.bucket, np.where(in_frames, start + size, 0))
-        store_at = np.cumsum(_aligned(body)) - _aligned(body)
-        frame = store_at[lay.bucket] + start
+        # the store holds the second message of every group with a framed bucket, its plain
+        # buckets whole (written by the emit pass as dense frames at their routes' offsets),
+        # so that the message leaves in one copy; groups of plain buckets only stay out
+        stored = (np.bincount(lay.group, weights=framed) > 0)[lay.group]
+        whole = stored & ~framed
+        body = np.where(whole, [bk.op.nbytes for bk in lay.bks], body)
+        room = np.where(stored, -(-body // GROUP_ALIGN) * GROUP_ALIGN, 0)[lay.order]
+        store_at = np.zeros(nb, np.int64)
+        store_at[lay.order] = np.cumsum(room) - room
+        in_whole = whole[lay.bucket]
+        frame = store_at[lay.bucket] + np.where(in_whole, lay.offset, start)
         plan = np.zeros((len(sparse), 4), np.int64)
-        plan[:, 0] = np.where(sparse, _SPARSE_FRAME, np.where(in_frames, _DENSE_FRAME, _KEEP))
+        dense = in_frames | in_whole
+        plan[:, 0] = np.where(sparse, _SPARSE_FRAME, np.where(dense, _DENSE_FRAME, _KEEP))
         plan[:, 1] = frame
         plan[:, 2] = frame + index_bytes
         plan[:, 3] = ix
@@ -989,17 +1028,23 @@ class DeltaEncoder:
                     meta, m_at, MAGIC, len(op.copies), flags, 0, used, decision.version,
                     -1 if base is None else base, 0,
                 )  # fmt: skip
-                win.encoded[op.bucket] = (m_at, used, int(store_at[b]))
             else:
                 used = head + op.nbytes
                 _HEAD.pack_into(
                     meta, m_at, MAGIC, len(op.copies), flags | FLAG_PLAIN, 0, used,
                     decision.version, -1, 0,
                 )  # fmt: skip
-                win.encoded[op.bucket] = (m_at, used, None)
+            win.encoded[op.bucket] = (m_at, used, int(store_at[b]) if stored[b] else None)
+        where = {bk.op.bucket: b for b, bk in enumerate(lay.bks)}
+        for b, bk in enumerate(lay.bks):
+            members = self._groups.get(bk.op.bucket)
+            if members is not None:
+                last = where[members[-1].bucket]
+                span = (int(store_at[b]), int(store_at[last] + body[last]))
+                win.spans[bk.op.bucket] = span if stored[b] else None
         host = torch.frombuffer(meta, dtype=torch.uint8)
         win.meta = host.pin_memory() if self.device.type == "cuda" else host.clone()
-        total = int(_aligned(body).sum())
+        total = int(room.sum())
         if total:
             # zeros: the padding between frames goes on the wire too, the same every time
             win.store = torch.zeros(total, dtype=torch.uint8, device=self.device)

@@ -18,7 +18,6 @@ warms up every writer-reader pair in a fixed global order so the first sync pays
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -88,10 +87,6 @@ class NcclTransport(Transport):
         self._rank = roster.global_rank(me.name)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
-        # NCCL's kernels on high-priority streams: their blocks start before those still
-        # pending of a large grid beside them (a delta compare pass, an FP8 quantize), which
-        # otherwise hold a message back until the whole grid is done
-        options.is_high_priority_stream = os.environ.get("WEIGHTBUS_NCCL_HIGH_PRIORITY", "1") != "0"
         self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
         self._poller = EventPoller(self)
         # warm up every writer-reader pair in one global order (pairs sorted by (writer,
