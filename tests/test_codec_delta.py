@@ -955,7 +955,7 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
     from weightbus.layouts.families import model_spec
 
     log = {"counter": None, "inside": collections.Counter(), "launches": collections.Counter()}
-    for name in ("_compare_kernel", "_emit_kernel", "_emit_steps_kernel", "_apply_kernel"):
+    for name in ("_compare_kernel", "_emit_kernel", "_apply_kernel"):
         kernel = _CountedKernel(getattr(_delta_triton, name), name, log)
         monkeypatch.setattr(_delta_triton, name, kernel)
     config = {
@@ -1007,7 +1007,7 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
     groups = sum(len(lay.table.groups) for lay in wc.encoder._layouts)
     assert log["launches"] == {
         "_compare_kernel": groups,
-        "_emit_steps_kernel": groups,  # few changed: step by step
+        "_emit_kernel": groups,
         "_apply_kernel": buckets,
     }
     w_ops = sum(writer.ops.values()) - log["inside"][writer]

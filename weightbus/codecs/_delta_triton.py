@@ -44,9 +44,9 @@ BLOCK = 2048
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 STEPS_BELOW = 0.08
 """A window whose changed elements are fewer than this fraction of its elements is emitted
-step by step (:func:`_emit_steps_kernel`), else a lane per element (:func:`_emit_kernel`).
-Measured on an H200, 1 GiB of bf16: 0.9 against 1.7 ms at 1% changed, 1.3 against 1.8 at 5%,
-but 4.0 against 1.9 at 30%."""
+step by step (:func:`_emit_kernel` with ``STEPS``), else a lane per element.
+Measured on an H200, 1 GiB of bf16 (steps against lanes): 0.87 against 1.40 ms at 1% changed,
+1.27 against 1.47 at 5%, but 1.68 against 1.52 at 10%."""
 """Whether these kernels run in Triton's CPU interpreter (tests), taking CPU tensors."""
 
 # addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
@@ -242,8 +242,12 @@ def _emit_kernel(
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
     ASM: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
-    """Emit, a lane per element of the tile, each placed by popcounts."""
+    """Emit a tile. ``STEPS``: the changed elements only, one step per set bit of the word
+    that has the most, each step taking every word's lowest one (about 3 steps at 1%
+    changed); else a lane per element of the tile, each placed by popcounts. (Two compiled
+    kernels: one with both paths behind a test at run time was slower on both.)"""
     g = first + tl.program_id(0).to(tl.int64)
     row, t, p, new_ptr, old_ptr, words, per_word, place = _emit_start(
         tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g, T, BLOCK, ASM
@@ -251,41 +255,7 @@ def _emit_kernel(
     kind = tl.load(p)
     if kind == 2:
         _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
-    else:
-        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-        at_k = tl.reshape(place[:, None] + below, [BLOCK])
-        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
-        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-        _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, at_k, kind, T)
-
-
-@triton.jit(do_not_specialize=["first"])
-def _emit_steps_kernel(
-    tiles_ptr,
-    routes_ptr,
-    work_ptr,
-    scratch_ptr,
-    cum_ptr,
-    bits_ptr,
-    plan_ptr,
-    store_ptr,
-    first,
-    T: tl.constexpr,
-    MODE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """Emit, the changed elements only: one step per set bit of the word that has the most,
-    each step taking every word's lowest one (about 3 steps at 1% changed)."""
-    g = first + tl.program_id(0).to(tl.int64)
-    row, t, p, new_ptr, old_ptr, words, per_word, place = _emit_start(
-        tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g, T, BLOCK, ASM
-    )
-    kind = tl.load(p)
-    if kind == 2:
-        _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
-    else:
+    elif STEPS:
         word_at = tl.arange(0, BLOCK // 32) * 32
         for _ in range(tl.max(per_word, axis=0)):
             hit = words != 0
@@ -294,6 +264,13 @@ def _emit_steps_kernel(
             _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, place, kind, T)
             words = words & (words - 1)
             place = place + 1
+    else:
+        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+        at_k = tl.reshape(place[:, None] + below, [BLOCK])
+        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+        _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, at_k, kind, T)
 
 
 @triton.jit(do_not_specialize=["n", "steps"])
@@ -506,14 +483,13 @@ class WindowTable:
         scratch = work if scratch is None else scratch
         store = work if store is None else store
         rows = _on(plan.astype(np.int64), self.device)
-        few = changed < STEPS_BELOW * self.elements
-        kernel, warps = (_emit_steps_kernel, 2) if few else (_emit_kernel, 4)
+        steps = changed < STEPS_BELOW * self.elements
         with _device_context(self.device):
             for isz, mode, first, n in self.groups:
-                kernel[(n,)](
+                _emit_kernel[(n,)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first,
-                    T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=not INTERPRETED,
-                    num_warps=warps,
+                    T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=not INTERPRETED, STEPS=steps,
+                    num_warps=2 if steps else 4,
                 )  # fmt: skip
 
 
