@@ -406,7 +406,8 @@ class Reader(_Session):
         group.parts, n = self.codec.take_group(group.spec, raw, group.buf)
         first = group.spec.ops[0]
         tag = rest_tag(first, len(self.plan.buckets))
-        group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
+        if n:  # (no frames, nothing changed: the writer sends no second message)
+            group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
         group.size = len(raw) + n
         return group.size
 
@@ -414,9 +415,8 @@ class Reader(_Session):
         """Wait for a whole group and apply it to the live tensors; return the bytes not yet
         counted."""
         got = self._post_group(group, deadline, phases)
-        assert group.rest is not None
         t = time.perf_counter()
-        self.transport.wait([group.rest], deadline.left())
+        self.transport.wait([group.rest] if group.rest is not None else [], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
         self.codec.unpack_group(group.parts, group.buf)

@@ -286,8 +286,7 @@ class Writer(_Session):
         phases["pack"] += time.perf_counter() - t
         self._directories.append(directories)  # alive until the sync is over: the copy reads it
         tag = rest_tag(op, len(self.plan.buckets))
-        handles = [
-            self.transport.send(op.peer_global, on_device, op.bucket),
-            self.transport.send(op.peer_global, rest, tag),
-        ]
+        handles = [self.transport.send(op.peer_global, on_device, op.bucket)]
+        if rest.numel():  # nothing changed in the group: no second message (the reader knows)
+            handles.append(self.transport.send(op.peer_global, rest, tag))
         return handles, on_device.numel() + rest.numel()
