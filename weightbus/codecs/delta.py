@@ -588,8 +588,12 @@ class _Layout:
     """Per route: its directory entry's index among the window's 16-byte records."""
     offset: np.ndarray
     """Per route: its offset in its bucket (the plan's layout, as a plain bucket sends it)."""
+    groups: tuple[tuple[int, tuple[int, ...]], ...]
+    """Per group of the window: its first bucket and its buckets' indices in the window."""
     group: np.ndarray
     """Per bucket: its group's index in the window."""
+    bucket_bytes: np.ndarray
+    """Per bucket: its bytes."""
     order: np.ndarray
     """The window's buckets (indices) as the shadow holds them: group by group."""
     template: bytes
@@ -829,12 +833,15 @@ class DeltaEncoder:
             if views is None:
                 scratch += -(-bk.op.nbytes // 256) * 256
         per_bucket = [len(bk.op.copies) for bk in bks]
-        group_of: dict[int, int] = {}  # bucket -> its group's index in the window
-        for bk in bks:
-            members = self._groups.get(bk.op.bucket)
-            if members is not None:
-                n = len(set(group_of.values()))
-                group_of.update((m.bucket, n) for m in members)
+        where = {bk.op.bucket: i for i, bk in enumerate(bks)}
+        groups = tuple(
+            (bk.op.bucket, tuple(where[m.bucket] for m in self._groups[bk.op.bucket]))
+            for bk in bks
+            if bk.op.bucket in self._groups
+        )
+        group = np.zeros(len(bks), np.int64)
+        for g, (_, members) in enumerate(groups):
+            group[list(members)] = g
         isz = np.array([r[2] for r in routes], np.int64)
         numel = np.array([r[3] for r in routes], np.int64)
         heads = np.array([bk.head for bk in bks], np.int64)
@@ -868,7 +875,9 @@ class DeltaEncoder:
             meta_at=meta_at,
             records=(first + _ENT.size * within) // _ENT.size,
             offset=np.array([c.offset for bk in bks for c in bk.op.copies], np.int64),
-            group=np.array([group_of[bk.op.bucket] for bk in bks], np.int64),
+            groups=groups,
+            group=group,
+            bucket_bytes=np.array([bk.op.nbytes for bk in bks], np.int64),
             order=np.argsort([bk.base for bk in bks], kind="stable"),
             template=b"".join(bk.template for bk in bks),
             table=table if table is not None else _TorchWindow(routes, self.device),
@@ -948,19 +957,10 @@ class DeltaEncoder:
                 m_at = int(lay.meta_at[b])
                 sums = np.array([checksum(self.shadow_of(bk.op))], "<u8").view(np.uint8)
                 meta[m_at + _HEAD.size - 8 : m_at + _HEAD.size] = sums
-        where = {bk.op.bucket: i for i, bk in enumerate(lay.bks)}
-        for bk in lay.bks:
-            members = self._groups.get(bk.op.bucket)
-            if members is None:
-                continue
-            at = [int(lay.meta_at[where[m.bucket]]) for m in members]
-            parts = [
-                meta[a : a + self._buckets[m.bucket].head] for a, m in zip(at, members, strict=True)
-            ]
+        for first, members in lay.groups:
+            parts = [meta[lay.meta_at[i] : lay.meta_at[i] + lay.bks[i].head] for i in members]
             group = torch.from_numpy(np.concatenate(parts))
-            self._directories[bk.op.bucket] = (
-                group.pin_memory() if self.device.type == "cuda" else group
-            )
+            self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
         """Per route: whether it travels sparse (its frame is smaller than its bytes)."""
@@ -997,7 +997,7 @@ class DeltaEncoder:
         # so that the message leaves in one copy; groups of plain buckets only stay out
         stored = (np.bincount(lay.group, weights=framed) > 0)[lay.group]
         whole = stored & ~framed
-        body = np.where(whole, [bk.op.nbytes for bk in lay.bks], body)
+        body = np.where(whole, lay.bucket_bytes, body)
         room = np.where(stored, -(-body // GROUP_ALIGN) * GROUP_ALIGN, 0)[lay.order]
         store_at = np.zeros(nb, np.int64)
         store_at[lay.order] = np.cumsum(room) - room
@@ -1035,13 +1035,10 @@ class DeltaEncoder:
                     decision.version, -1, 0,
                 )  # fmt: skip
             win.encoded[op.bucket] = (m_at, used, int(store_at[b]) if stored[b] else None)
-        where = {bk.op.bucket: b for b, bk in enumerate(lay.bks)}
-        for b, bk in enumerate(lay.bks):
-            members = self._groups.get(bk.op.bucket)
-            if members is not None:
-                last = where[members[-1].bucket]
-                span = (int(store_at[b]), int(store_at[last] + body[last]))
-                win.spans[bk.op.bucket] = span if stored[b] else None
+        for first, members in lay.groups:
+            b, last = members[0], members[-1]
+            span = (int(store_at[b]), int(store_at[last] + body[last]))
+            win.spans[first] = span if stored[b] else None
         host = torch.frombuffer(meta, dtype=torch.uint8)
         win.meta = host.pin_memory() if self.device.type == "cuda" else host.clone()
         total = int(room.sum())
