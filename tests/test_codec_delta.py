@@ -860,16 +860,22 @@ def kernels_equal_torch(
 
 @interpreted
 @pytest.mark.parametrize(
-    "seed,window,host_copy,wide",
-    [(0, 1500, False, False), (1, 4000, True, True)],
+    "seed,window,host_copy,wide,tiles",
+    [(0, 1500, False, False, None), (1, 4000, True, True, None), (2, 2500, False, False, 4)],
 )
-def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, monkeypatch):
+def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, tiles, monkeypatch):
+    """``tiles``: programs of that many tiles (compare, and emit by steps), every window
+    emitted by steps (also at 50% changed, and its dense frames' tiles)."""
     from weightbus.codecs import _delta_triton, delta
 
     # small tiles: routes of many tiles, rows split in tiles, all three addressing modes
     monkeypatch.setattr(_delta_triton, "BLOCK", 128)
     if wide:  # 8-byte indices from 300 elements up, as for routes of 2**31 elements or more
         monkeypatch.setattr(delta, "_WIDE", 300)
+    if tiles:  # (a launch's last program may hold fewer)
+        monkeypatch.setattr(_delta_triton, "COMPARE", (tiles, 4))
+        monkeypatch.setattr(_delta_triton, "EMIT_STEPS", (tiles, 2))
+        monkeypatch.setattr(_delta_triton, "STEPS_BELOW", 1.1)
     kernels_equal_torch(seed, "cpu", window, host_copy)
 
 

@@ -18,7 +18,10 @@ Writer, per window (:class:`WindowTable`):
    indices and values into the route's sparse frame, or all its values into a dense frame, and
    in every case the changed elements into the shadow (the shadow then equals the new values).
    Outside dense frames it visits the changed elements only, by the bitmask's words: one step
-   per set bit of the word that has the most, each step taking every word's lowest one.
+   per set bit of the word that has the most, each step taking every word's lowest one. A
+   program then takes several tiles at once: each tile's work is a chain of dependent reads
+   (its route's row, its plan row, its words, its elements), whose latency, not bandwidth,
+   bounds a pass that touches 1% of the elements.
 
 A window whose readers all get dense bytes needs no counts: one pass writes the changed
 elements into the shadow.
@@ -40,14 +43,21 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-"""Elements per tile (one program)."""
+"""Elements per tile (the unit of the counts and bitmasks; a program takes one or more)."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-STEPS_BELOW = 0.08
+"""Whether these kernels run in Triton's CPU interpreter (tests), taking CPU tensors."""
+STEPS_BELOW = 0.07
 """A window whose changed elements are fewer than this fraction of its elements is emitted
 step by step (:func:`_emit_kernel` with ``STEPS``), else a lane per element.
-Measured on an H200, 1 GiB of bf16 (steps against lanes): 0.87 against 1.40 ms at 1% changed,
-1.27 against 1.47 at 5%, but 1.68 against 1.52 at 10%."""
-"""Whether these kernels run in Triton's CPU interpreter (tests), taking CPU tensors."""
+Measured on an H200, 1 GiB of bf16 in 32 routes (steps, 4 tiles a program, against lanes):
+0.62 against 1.33 ms at 1% changed, 1.22 against 1.38 at 5%, but 1.89 against 1.43 at 10%."""
+COMPARE = (1, 8)
+"""Tiles per program and warps of the compare pass (on an H200, 2 tiles a program or 4 or
+16 warps were slower)."""
+EMIT_STEPS = (4, 4)
+"""Tiles per program and warps of the emit pass, step by step."""
+EMIT_LANES = (1, 4)
+"""Tiles per program (one) and warps of the emit pass, a lane per element."""
 
 # addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
 # least half a tile); tiles over its flat element order (narrow rows, any strides)
@@ -118,15 +128,27 @@ def _at(row, t, j, MODE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile(tiles_ptr, routes_ptr, g, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Tile ``g`` of a window: its route's row, then :func:`_at` of all its elements."""
-    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
-    u, valid, off = _at(row, g - tl.load(row + 3), tl.arange(0, BLOCK), MODE, BLOCK)
-    return row, u, valid, off
+def _tiles(tiles_ptr, routes_ptr, first, n, R: tl.constexpr):
+    """This program's ``R`` tiles of a launch of ``n`` from tile ``first``: their indices in
+    the window, whether they are in the launch (the last program's may not be), and their
+    routes' rows (a tile past the launch reads route row 0 and writes nothing)."""
+    k = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    live = k < n
+    g = first + k
+    row = routes_ptr + tl.load(tiles_ptr + g, mask=live, other=0).to(tl.int64) * _RF
+    return g, live, row
+
+
+@triton.jit
+def _regions(row, work_ptr, scratch_ptr, T: tl.constexpr):
+    """Where the new values of the routes at ``row`` are (a live region, or their place in
+    the window's scratch), and their previous values (in the shadow), as pointers to ``T``."""
+    new_at = tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)
+    return new_at.to(tl.pointer_type(T)), (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
 
 
 # tile and entry offsets vary per launch: one compiled kernel for all of them
-@triton.jit(do_not_specialize=["first"])
+@triton.jit(do_not_specialize=["first", "n"])
 def _compare_kernel(
     tiles_ptr,
     routes_ptr,
@@ -135,32 +157,35 @@ def _compare_kernel(
     counts_ptr,
     bits_ptr,
     first,
+    n,
     T: tl.constexpr,
     MODE: tl.constexpr,
     UPDATE: tl.constexpr,
     COUNT: tl.constexpr,
     BLOCK: tl.constexpr,
+    R: tl.constexpr,
 ):
-    g = first + tl.program_id(0).to(tl.int64)
-    row, u, valid, off = _tile(tiles_ptr, routes_ptr, g, MODE, BLOCK)
-    # elements as integers of their width (T): raw bits
-    old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
-    # the new values: a live region, or their place in the window's scratch
-    new_at = tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)
-    new = tl.load(new_at.to(tl.pointer_type(T)) + off, mask=valid, other=0)
+    """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits)."""
+    g, live, row = _tiles(tiles_ptr, routes_ptr, first, n, R)
+    rr = row[:, None]
+    u, valid, off = _at(rr, g[:, None] - tl.load(rr + 3), tl.arange(0, BLOCK)[None, :], MODE, BLOCK)
+    valid = valid & live[:, None]
+    new_ptr, old_ptr = _regions(rr, work_ptr, scratch_ptr, T)
+    new = tl.load(new_ptr + off, mask=valid, other=0)
     old = tl.load(old_ptr + u, mask=valid, other=0)
     changed = valid & (new != old)
     c = changed.to(tl.int32)
     if COUNT:
-        tl.store(counts_ptr + g + 1, tl.sum(c, axis=0))
-        tl.store(counts_ptr + g * 0, 0, mask=g == 0)
+        tl.store(counts_ptr + g + 1, tl.sum(c, axis=1), mask=live)
+        tl.store(counts_ptr + g * 0, g * 0, mask=live & (g == 0))
     if UPDATE:
         tl.store(old_ptr + u, new, mask=changed)
     else:
         # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
-        shifted = tl.reshape(c, [BLOCK // 32, 32]) << tl.arange(0, 32)[None, :]
-        words = tl.sum(shifted, axis=1)
-        tl.store(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32), words)
+        shifted = tl.reshape(c, [R, BLOCK // 32, 32]) << tl.arange(0, 32)[None, None, :]
+        words = tl.sum(shifted, axis=2)
+        at = g[:, None] * (BLOCK // 32) + tl.arange(0, BLOCK // 32)[None, :]
+        tl.store(bits_ptr + at, words, mask=live[:, None])
 
 
 @triton.jit
@@ -178,42 +203,18 @@ def _popcount(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, place, kind, T: tl.constexpr):
-    """Changed elements ``hit`` (flat indices ``u`` in the route, ``off`` in the new values'
-    region) into the shadow and, in a sparse frame (``kind`` 1, plan row ``p``), to ``place``
-    of its values and indices."""
+def _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, place, T: tl.constexpr):
+    """Changed elements ``hit`` (flat indices ``u`` in their route, ``off`` in the new values'
+    region) into the shadow and, those of a sparse frame (its ``values_at``, ``index_at``
+    and index size ``ix``; a null ``values_at`` otherwise), at ``place`` of the frame."""
     new = tl.load(new_ptr + off, mask=hit, other=0)
     tl.store(old_ptr + u, new, mask=hit)
-    if kind == 1:
-        tl.store((store_ptr + tl.load(p + 2)).to(tl.pointer_type(T)) + place, new, mask=hit)
-        ix = tl.load(p + 3)
-        index_at = store_ptr + tl.load(p + 1)
-        # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
-        i4 = tl.where(ix == 4, hit, False)
-        tl.store(index_at.to(tl.pointer_type(tl.int32)) + place, u.to(tl.int32), mask=i4)
-        i8 = tl.where(ix == 8, hit, False)
-        tl.store(index_at.to(tl.pointer_type(tl.int64)) + place, u, mask=i8)
-
-
-@triton.jit
-def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g,
-                T: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """What both emit kernels read first of tile ``g``: its route's row, its tile index in the
-    route, its plan row, where its new and previous values are, its bitmask's words, their
-    popcounts, and where the first changed element of each word goes in a sparse frame (the
-    k-th changed element of the route goes to place k: a tile's changed elements come in word
-    order, and in bit order within a word)."""
-    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
-    p = plan_ptr + tl.load(row + 6) * 4
-    new_ptr = (tl.load(row) + tl.load(row + 1) * scratch_ptr.to(tl.int64)).to(tl.pointer_type(T))
-    old_ptr = (work_ptr + tl.load(row + 2)).to(tl.pointer_type(T))
-    words = tl.load(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(
-        tl.uint32, bitcast=True
-    )
-    per_word = _popcount(words, ASM)
-    place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
-    place = place + tl.cumsum(per_word, axis=0) - per_word
-    return row, g - tl.load(row + 3), p, new_ptr, old_ptr, words, per_word, place
+    # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
+    tl.store(values_at + place, new, mask=tl.where(values_at.to(tl.int64) != 0, hit, False))
+    i4 = tl.where(ix == 4, hit, False)
+    tl.store(index_at.to(tl.pointer_type(tl.int32)) + place, u.to(tl.int32), mask=i4)
+    i8 = tl.where(ix == 8, hit, False)
+    tl.store(index_at.to(tl.pointer_type(tl.int64)) + place, u, mask=i8)
 
 
 @triton.jit
@@ -226,8 +227,47 @@ def _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T: tl.constexpr, MODE: t
     tl.store((store_ptr + tl.load(p + 1)).to(tl.pointer_type(T)) + u, new, mask=valid)
 
 
+@triton.jit
+def _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr, store_ptr, g,
+                    T: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Tile ``g`` whole if its frame is dense."""
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    p = plan_ptr + tl.load(row + 6) * 4
+    if tl.load(p) == 2:
+        new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
+        _emit_dense(row, g - tl.load(row + 3), p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
+
+
+@triton.jit
+def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr,
+                store_ptr, g, live, T: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """What the emit kernel reads first of tiles ``g`` (one, or a column of them) that are
+    ``live``: their routes' rows, their tile indices in their routes, their plan rows and
+    frame kinds, where their new and previous values are, where a sparse frame's values and
+    indices go and the index size (null and 0 for other kinds), their bitmasks' words (none
+    for a dense frame), the words' popcounts, and where each word's first changed element
+    goes: the k-th changed element of a route goes to place k of its sparse frame (a tile's
+    changed elements come in word order, and in bit order within a word)."""
+    W: tl.constexpr = BLOCK // 32
+    row = routes_ptr + tl.load(tiles_ptr + g, mask=live, other=0).to(tl.int64) * _RF
+    p = plan_ptr + tl.load(row + 6) * 4
+    kind = tl.load(p, mask=live, other=0)
+    new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
+    sparse = kind == 1
+    values_at = tl.where(sparse, store_ptr.to(tl.int64) + tl.load(p + 2), 0)
+    index_at = store_ptr + tl.load(p + 1)
+    ix = tl.where(sparse, tl.load(p + 3), 0)
+    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=live & (kind != 2), other=0)
+    words = words.to(tl.uint32, bitcast=True)
+    per_word = _popcount(words, ASM)
+    place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
+    place = place + tl.cumsum(per_word, axis=len(words.shape) - 1) - per_word
+    return (row, g - tl.load(row + 3), p, kind, new_ptr, old_ptr,
+            values_at.to(tl.pointer_type(T)), index_at, ix, words, per_word, place)  # fmt: skip
+
+
 # tile and entry offsets vary per launch: one compiled kernel for all of them
-@triton.jit(do_not_specialize=["first"])
+@triton.jit(do_not_specialize=["first", "n"])
 def _emit_kernel(
     tiles_ptr,
     routes_ptr,
@@ -238,39 +278,55 @@ def _emit_kernel(
     plan_ptr,
     store_ptr,
     first,
+    n,
     T: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
     ASM: tl.constexpr,
     STEPS: tl.constexpr,
+    R: tl.constexpr,
 ):
-    """Emit a tile. ``STEPS``: the changed elements only, one step per set bit of the word
-    that has the most, each step taking every word's lowest one (about 3 steps at 1%
-    changed); else a lane per element of the tile, each placed by popcounts. (Two compiled
-    kernels: one with both paths behind a test at run time was slower on both.)"""
-    g = first + tl.program_id(0).to(tl.int64)
-    row, t, p, new_ptr, old_ptr, words, per_word, place = _emit_start(
-        tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, g, T, BLOCK, ASM
-    )
-    kind = tl.load(p)
-    if kind == 2:
-        _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
-    elif STEPS:
-        word_at = tl.arange(0, BLOCK // 32) * 32
-        for _ in range(tl.max(per_word, axis=0)):
+    """Emit tiles: a dense frame's tile whole, else its changed elements. ``STEPS``: ``R``
+    tiles a program, one step per set bit of the word that has the most, each step taking
+    every word's lowest one (about 3 steps at 1% changed); else one tile a program, a lane
+    per element, placed by popcounts. (One kernel with both paths behind a test at run
+    time was slower on both; one tile a program took the steps 1.5 times as long as 4, but
+    lanes over several tiles were slower, as were lanes laid out by words of 32.)"""
+    pid = tl.program_id(0).to(tl.int64)
+    if STEPS:
+        k = pid * R + tl.arange(0, R)[:, None]
+        row, t, p, kind, new_ptr, old_ptr, values_at, index_at, ix, words, per_word, place = (
+            _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
+                        plan_ptr, store_ptr, first + k, k < n, T, BLOCK, ASM)  # fmt: skip
+        )
+        if tl.max(tl.max((kind == 2).to(tl.int32), axis=1), axis=0) > 0:
+            for r in range(R):
+                if pid * R + r < n:
+                    _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr,
+                                    store_ptr, first + pid * R + r, T, MODE, BLOCK)  # fmt: skip
+        word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
+        for _ in range(tl.max(tl.max(per_word, axis=1), axis=0)):
             hit = words != 0
             lowest = words & ~(words - 1)
             u, valid, off = _at(row, t, word_at + _popcount(lowest - 1, ASM), MODE, BLOCK)
-            _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, place, kind, T)
+            _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, place, T)
             words = words & (words - 1)
             place = place + 1
     else:
-        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-        at_k = tl.reshape(place[:, None] + below, [BLOCK])
-        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
-        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-        _take(new_ptr, old_ptr, store_ptr, p, u, off, hit, at_k, kind, T)
+        tl.static_assert(R == 1, "a lane per element: one tile a program")
+        row, t, p, kind, new_ptr, old_ptr, values_at, index_at, ix, words, per_word, place = (
+            _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
+                        plan_ptr, store_ptr, first + pid, True, T, BLOCK, ASM)  # fmt: skip
+        )
+        if kind == 2:
+            _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
+        else:
+            lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+            below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+            at_k = tl.reshape(place[:, None] + below, [BLOCK])
+            hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+            u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+            _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
 
 
 @triton.jit(do_not_specialize=["n", "steps"])
@@ -455,10 +511,11 @@ class WindowTable:
         on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with _device_context(self.device), on:
             for isz, mode, first, n in self.groups:
-                _compare_kernel[(n,)](
-                    self._owner, self._routes, work, scratch, counts, bits, first,
+                r, warps = COMPARE
+                _compare_kernel[(-(-n // r),)](
+                    self._owner, self._routes, work, scratch, counts, bits, first, n,
                     T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count or not update,
-                    BLOCK=self.block, num_warps=8,
+                    BLOCK=self.block, R=r, num_warps=warps,
                 )  # fmt: skip
         if update:
             return (counts, None) if count else None
@@ -484,12 +541,13 @@ class WindowTable:
         store = work if store is None else store
         rows = _on(plan.astype(np.int64), self.device)
         steps = changed < STEPS_BELOW * self.elements
+        r, warps = EMIT_STEPS if steps else EMIT_LANES
         with _device_context(self.device):
             for isz, mode, first, n in self.groups:
-                _emit_kernel[(n,)](
-                    self._owner, self._routes, work, scratch, cum, bits, rows, store, first,
+                _emit_kernel[(-(-n // r),)](
+                    self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
                     T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=not INTERPRETED, STEPS=steps,
-                    num_warps=2 if steps else 4,
+                    R=r, num_warps=warps,
                 )  # fmt: skip
 
 
