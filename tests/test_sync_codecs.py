@@ -1,7 +1,8 @@
 """Codecs end to end over gloo: real processes, Writer.sync -> Reader.wait through FP8 and deltas.
 
 * deltas: FSDP2-style DTensor writers (fp32, cast to bf16 on the wire) -> vLLM-style tensor
-  parallel readers, 22 syncs with about 1% of the elements changed each, checked bit for bit
+  parallel readers, 22 syncs with about 1% of the elements changed each (none in one of
+  them: only the buckets' directories travel), checked bit for bit
   after every sync; the readers start poisoned, and one reader poisons its tensors mid-run and
   asks for a dense sync (what a reader that lost or missed a version does);
 * FP8: the same FSDP writers, whose shards cut quantization blocks (so they agree on amaxes
@@ -31,6 +32,7 @@ from tests.procs import collect_reports
 
 STEPS = 22
 DENSE_AT = 9  # reader-1 loses its weights before this sync and asks for every byte
+UNCHANGED_AT = 4  # nothing changes before this sync: groups of directories alone
 FP8_STEPS = 3
 N_WRITERS = 2
 # small FP8 blocks, so the tiny model has many; FSDP over 2 cuts k_proj and v_proj (32 rows)
@@ -46,12 +48,14 @@ def _canonical(model, version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step(canon: dict[str, torch.Tensor], version: int, fraction: float = 0.01) -> None:
-    """Change about ``fraction`` of every tensor's elements, the same way in every process."""
+def _step(canon: dict[str, torch.Tensor], version: int) -> None:
+    """Change about 1% of every tensor's elements (none before sync ``UNCHANGED_AT``), the
+    same way in every process."""
+    fraction = 0.0 if version == UNCHANGED_AT else 0.01
     for name, x in canon.items():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 7919 * version)
         flat = x.view(-1)
-        n = max(1, int(fraction * flat.numel()))
+        n = max(1, int(fraction * flat.numel())) if fraction else 0
         idx = torch.randperm(flat.numel(), generator=g)[:n]
         flat[idx] = torch.randn(n, generator=g)
 
@@ -277,6 +281,9 @@ def test_deltas_bit_exact_over_22_syncs_with_resharding_and_a_dense_request(jobs
     # changed element), except in the sync reader-1 asked to be dense: the others stay sparse
     assert got0[0] >= payload0 and got1[0] >= payload1, (got0, got1)
     assert max(got0[1:]) < 0.2 * payload0, got0
+    # nothing changed: the directories alone travelled (no group sent its frames' message)
+    assert 0 < got0[UNCHANGED_AT - 1] < 0.01 * payload0, got0
+    assert 0 < got1[UNCHANGED_AT - 1] < 0.01 * payload1, got1
     assert max(got1[1 : DENSE_AT - 1] + got1[DENSE_AT:]) < 0.2 * payload1, got1
     assert got1[DENSE_AT - 1] >= payload1, got1
     sent = [a + b for a, b in zip(got["writer-0"], got["writer-1"], strict=True)]
@@ -433,7 +440,8 @@ def test_fp8_reader_must_bind_fp8_tensors():
 def test_fp8_and_delta_syncs_over_nccl_between_gpus(tmp_path):
     """S6 and S7 of ``weightbus bench gpu`` on a small model: Writer/Reader over NCCL with FP8
     (equal to the quantization on the GPU, within the bound) and with deltas (bit exact after
-    the sparse syncs, and after a dense one into poisoned tensors)."""
+    the sparse syncs, and after a dense one into poisoned tensors), also when nothing
+    changed between syncs."""
     import json
 
     from weightbus.bench import gpu
@@ -450,3 +458,10 @@ def test_fp8_and_delta_syncs_over_nccl_between_gpus(tmp_path):
     # a tiny model's bf16 embeddings weigh much (llama-3-8b: FP8 bytes ~0.57 of bf16)
     assert by_name["S6"]["wire_fraction_of_s1"] < 0.8 and by_name["S6"]["quantize_gbps"] > 0
     assert by_name["S7"]["exact_before_dense"] and by_name["S7"]["wire_fraction_of_s1"] < 0.5
+    # syncs where nothing changed: groups of directories alone, no frames' message over NCCL
+    args = ["--scenarios", "S7", "--changed", "0", "--model", "tiny-llama", "--iters", "2"]
+    args += ["--warmup", "1", "--bucket-mb", "1", "--out", str(tmp_path / "unchanged")]
+    assert gpu.main([*args, "--kind", "test"]) == 0
+    result = json.loads(next((tmp_path / "unchanged").glob("*.json")).read_text())
+    s7 = next(s for s in result["scenarios"] if s["name"] == "S7")
+    assert s7["bit_exact"] and s7["exact_before_dense"] and s7["wire_fraction_of_s1"] < 0.01, s7

@@ -367,11 +367,13 @@ def _fp8_fraction(model, block: int) -> float:
 
 
 def _change(canon: dict, step: int, fraction: float) -> None:
-    """Change about ``fraction`` of every tensor's elements, the same on every process. An
-    index drawn twice gets the same new value (computed from the old one), so the result does
-    not depend on which write lands last."""
+    """Change about ``fraction`` of every tensor's elements (at least one, none at 0), the
+    same on every process. An index drawn twice gets the same new value (computed from the
+    old one), so the result does not depend on which write lands last."""
     import torch
 
+    if not fraction:
+        return
     for name, x in canon.items():
         flat = x.view(-1)
         n = max(1, int(fraction * flat.numel()))
@@ -583,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         "--changed",
         type=float,
         default=0.01,
-        help="S7: fraction of the elements changed before each sync (default 0.01)",
+        help="S7: fraction of the elements changed before each sync (default 0.01; 0: none)",
     )
     p.add_argument(
         "--fp8-block",
@@ -603,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kind", default=None, help="machine kind for the file name (default: from the GPUs)"
     )
     a = p.parse_args(argv)
+    if not 0.0 <= a.changed <= 1.0:
+        p.error(f"--changed {a.changed}: a fraction of the elements, in [0, 1]")
     import torch
 
     from weightbus.layouts.families import model_spec
