@@ -149,7 +149,8 @@ class DeltaConfig:
     """The writer analyzes this many consecutive windows at once: one compare and one emit
     pass, and one host wait, for all of them (its scratch grows accordingly). Its host work
     per pass (the wait, the frames' layout, the launches) is about fixed, so on a GPU with 1
-    GiB windows one window a pass left the writer waiting on its own host; writer-side only."""
+    GiB windows one window a pass left the writer waiting on its own host. The first window
+    goes alone, as nothing is sent before its pass is done. Writer-side only."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
@@ -680,9 +681,11 @@ class DeltaEncoder:
                 for op in members:
                     self._buckets[op.bucket] = _Bucket(op, total)
                     total += -(-op.nbytes // GROUP_ALIGN) * GROUP_ALIGN
-        # analyzed windows_per_pass windows at a time: from here on a "window" is such a pass
-        k = config.windows_per_pass
-        passes = [sum(by_window[i : i + k], []) for i in range(0, len(by_window), k)]
+        # analyzed windows_per_pass windows at a time, but the first alone (its compare pass
+        # precedes the first byte sent): from here on a "window" is such a pass
+        n = len(by_window)
+        cuts = [0, *range(1, n, config.windows_per_pass)] if n else []
+        passes = [sum(by_window[a:b], []) for a, b in zip(cuts, [*cuts[1:], n], strict=True)]
         self._windows = tuple(tuple(self._buckets[op.bucket] for op in w) for w in passes)
         self._window_of = {op.bucket: w for w, win in enumerate(passes) for op in win}
         self._group = {b: Group.of(members) for b, members in self._groups.items()}
@@ -930,7 +933,11 @@ class DeltaEncoder:
         counts = np.zeros(len(lay.numel), np.int64)
         if not win.dense:
             counts, win.state = lay.table.counts(win.state)
-        ahead = self._windows[w + 1] if w + 1 < len(self._windows) else ()
+        # the next window's compare pass runs beside this one's emit pass; after a window
+        # sent dense (no emit pass), it waits until the window's sends are queued: a compare
+        # grid queued first would hold them back until its last tiles started (measured on
+        # two GPUs at 50% changed, the first send waited for two passes)
+        ahead = self._windows[w + 1] if w + 1 < len(self._windows) and not win.dense else ()
         if ahead and w + 1 not in self._open and ahead[0].op.bucket not in self._done:
             self._open[w + 1] = self._compare(w + 1, decision)
         dense_peer = np.array([bk.op.peer in decision.dense for bk in lay.bks], bool)
