@@ -258,3 +258,38 @@ def test_session_sync_over_nccl_uses_the_kernels(monkeypatch):
     assert sizes_w == sizes_r
     # the first sync is dense; then an index and a value per changed element
     assert max(sizes_r[1:]) < 0.1 * sizes_r[0], sizes_r
+
+
+def _compiled(kernels) -> int:
+    """Variants compiled so far of these Triton kernels (on any device)."""
+    caches = [getattr(k, "device_caches", None) for k in kernels]
+    if any(c is None for c in caches):
+        pytest.skip("this Triton does not expose its kernels' caches")
+    return sum(len(entry[0]) for c in caches for entry in c.values())
+
+
+def test_kernels_are_compiled_at_connect(monkeypatch):
+    """Every kernel variant a sync may need is compiled when the codecs are made: no sync,
+    dense, sparse (by steps or a lane per element) or sent dense on a guess, compiles one."""
+    from weightbus.codecs import _delta_triton as k
+
+    monkeypatch.setenv("WEIGHTBUS_DELTA_TRITON", "1")
+    monkeypatch.setattr(k, "BLOCK", 512)  # variants no other test compiles
+    kernels = (k._compare_kernel, k._emit_kernel, k._apply_kernel)
+    before = _compiled(kernels)
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000))
+    plan, ws, rs, canon, live, got, wcs, rcs = _start_on_cuda(codecs)
+    assert all(isinstance(lay.table, k.WindowTable) for w in wcs for lay in w.encoder._layouts)
+    at_connect = _compiled(kernels)
+    assert at_connect > before
+    g = torch.Generator().manual_seed(3)
+    # dense, 1% (by steps), 50% (lanes; windows go dense), 50% again (sent dense on a guess)
+    for step, fraction in enumerate([0.0, 0.01, 0.5, 0.5, 0.01], start=1):
+        if fraction:
+            change(canon, g, fraction)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, {n: v.cuda() for n, v in canon.items()}, t)
+        run_sync(plan, wcs, rcs, step)
+        cpu = [{n: v.cpu() for n, v in t.items()} for t in got]
+        assert_exact(rs, cpu, {n: v.cuda().to(torch.bfloat16).cpu() for n, v in canon.items()})
+        assert _compiled(kernels) == at_connect, f"sync {step} compiled a kernel"

@@ -725,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             "readers": rdesc,
             "bytes": moved,
             **{k: round(v, 5) for k, v in stats.items()},
+            "times_ms": [round(t * 1e3, 2) for t in w_times],
             "gbps": round(got, 1),
             "ceiling_gbps": round(ceiling, 1),
             "ratio": round(ratio, 3),

@@ -485,6 +485,33 @@ class WindowTable:
         )
         self._ends = torch.from_numpy(ends.reshape(-1)).to(self.device)
 
+    def warm(self) -> None:
+        """Compile every variant of the kernels that a sync may launch on this window, now
+        (at connect) rather than in the sync that first needs it: a compile takes a few
+        hundred milliseconds (the on-disk cache of Triton makes later processes' quick)."""
+        if INTERPRETED or self.device.type != "cuda":
+            return
+        # of the dtypes of a sync's buffers (a variant is compiled per pointers' dtypes)
+        dtypes = (torch.uint8, torch.int32, torch.int64)
+        b, i, q = (torch.empty(1, dtype=d, device=self.device) for d in dtypes)
+        with _device_context(self.device):
+            for isz, mode, first, n in self.groups:
+                # (counts and bitmask: the shadow's bytes where a pass has none)
+                for update, count, counts, bits in ((1, 0, b, b), (1, 1, i, b), (0, 1, i, i)):
+                    r, warps = COMPARE
+                    _compare_kernel.warmup(
+                        self._owner, self._routes, b, b, counts, bits, first, n,
+                        T=_INT[isz], MODE=mode, UPDATE=bool(update), COUNT=bool(count),
+                        BLOCK=self.block, R=r, num_warps=warps, grid=(1,),
+                    )  # fmt: skip
+                for steps in (True, False):
+                    r, warps = EMIT_STEPS if steps else EMIT_LANES
+                    _emit_kernel.warmup(
+                        self._owner, self._routes, b, b, q, i, q, b, first, n,
+                        T=_INT[isz], MODE=mode, BLOCK=self.block, ASM=True, STEPS=steps, R=r,
+                        num_warps=warps, grid=(1,),
+                    )  # fmt: skip
+
     def compare(
         self,
         work: torch.Tensor,
@@ -578,6 +605,21 @@ class TargetTable:
             self.contiguous[i] = mode == CONTIG
             self.itemsize[i] = x.element_size()
         self._targets = torch.from_numpy(table).to(self.device)
+
+    def warm(self) -> None:
+        """Compile the apply kernel's variants for these regions now (see
+        :meth:`WindowTable.warm`)."""
+        if INTERPRETED or self.device.type != "cuda":
+            return
+        entries = torch.empty(1, dtype=torch.int64, device=self.device)
+        buf = torch.empty(1, dtype=torch.uint8, device=self.device)
+        kinds = sorted(set(zip(self.itemsize.tolist(), self.contiguous.tolist())))
+        with _device_context(self.device):
+            for size, contig in kinds:
+                _apply_kernel.warmup(
+                    entries, 2, 1, self._targets, buf, T=_INT[size], CONTIGUOUS=contig,
+                    BLOCK=self.block, num_warps=4, grid=(1,),
+                )  # fmt: skip
 
     def apply(
         self,

@@ -500,6 +500,9 @@ class _TorchWindow:
         self._key: tuple = ()
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def warm(self) -> None:
+        """Nothing to compile (the kernels' tables compile theirs at connect)."""
+
     def _views(self, work: torch.Tensor, scratch: torch.Tensor | None) -> list:
         """Per slot: its new values and its shadow bytes as integers of the element's width
         (kept while ``work`` and ``scratch`` are the same buffers)."""
@@ -706,7 +709,7 @@ class DeltaEncoder:
         the GPU."""
         self._layouts: list[_Layout | None] = [None] * len(self._windows)
         for w in range(len(self._windows)):
-            self._layout_of(w)  # the tables, at connect
+            self._layout_of(w).table.warm()  # the tables and their kernels, at connect
         self._decision: DeltaDecision | None = None
         self._dense: set[int] = set()
         """Windows every route of which went dense in the last sync: the next sync sends them
@@ -1177,6 +1180,7 @@ class DeltaDecoder:
         if kernels is not None:
             try:
                 self._table = kernels.TargetTable(regions, device, kernels.BLOCK)
+                self._table.warm()  # its kernel's variants, compiled at connect
             except ValueError as exc:
                 logger.warning("%s: torch ops per route to apply deltas: %s", name, exc)
         self._targets: dict[tuple[int, int, int], tuple] = {}
