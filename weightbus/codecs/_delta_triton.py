@@ -293,12 +293,19 @@ def _emit_kernel(
     time was slower on both; one tile a program took the steps 1.5 times as long as 4, but
     lanes over several tiles were slower, as were lanes laid out by words of 32.)"""
     pid = tl.program_id(0).to(tl.int64)
-    if STEPS:
+    if STEPS:  # (a compile-time test: each branch alone is compiled)
         k = pid * R + tl.arange(0, R)[:, None]
-        row, t, p, kind, new_ptr, old_ptr, values_at, index_at, ix, words, per_word, place = (
-            _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
-                        plan_ptr, store_ptr, first + k, k < n, T, BLOCK, ASM)  # fmt: skip
+        g, live = first + k, k < n
+    else:
+        tl.static_assert(R == 1, "a lane per element: one tile a program")
+        g, live = first + pid, True
+    row, t, p, kind, new_ptr, old_ptr, values_at, index_at, ix, words, per_word, place = (
+        _emit_start(
+            tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, store_ptr,
+            g, live, T, BLOCK, ASM,
         )
+    )  # fmt: skip
+    if STEPS:
         if tl.max(tl.max((kind == 2).to(tl.int32), axis=1), axis=0) > 0:
             for r in range(R):
                 if pid * R + r < n:
@@ -312,21 +319,15 @@ def _emit_kernel(
             _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, place, T)
             words = words & (words - 1)
             place = place + 1
+    elif kind == 2:
+        _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
     else:
-        tl.static_assert(R == 1, "a lane per element: one tile a program")
-        row, t, p, kind, new_ptr, old_ptr, values_at, index_at, ix, words, per_word, place = (
-            _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
-                        plan_ptr, store_ptr, first + pid, True, T, BLOCK, ASM)  # fmt: skip
-        )
-        if kind == 2:
-            _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
-        else:
-            lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-            below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-            at_k = tl.reshape(place[:, None] + below, [BLOCK])
-            hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
-            u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-            _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
+        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+        at_k = tl.reshape(place[:, None] + below, [BLOCK])
+        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+        _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
 
 
 @triton.jit(do_not_specialize=["n", "steps"])
@@ -613,7 +614,7 @@ class TargetTable:
             return
         entries = torch.empty(1, dtype=torch.int64, device=self.device)
         buf = torch.empty(1, dtype=torch.uint8, device=self.device)
-        kinds = sorted(set(zip(self.itemsize.tolist(), self.contiguous.tolist())))
+        kinds = sorted(set(zip(self.itemsize.tolist(), self.contiguous.tolist(), strict=True)))
         with _device_context(self.device):
             for size, contig in kinds:
                 _apply_kernel.warmup(

@@ -32,10 +32,12 @@ pass that writes the window's frames into a store and the changed elements into 
 The emit pass takes the changed elements word by word of the bitmask (at 1% changed, a few
 steps per tile instead of a lane per element). Packing a group then copies its buckets' frames
 (the store's, or the shadow's for a bucket sent whole), or nothing when they all travel whole
-(then the group is sent from the shadow). The compare passes run on a stream of their own, and a window every route
-of which went dense is sent dense in the next sync without waiting for its counts or an emit
-pass (its compare pass only brings the shadow up to date and counts, so it is compared again
-once some route would go sparse). Readers apply a window's group of buckets with one launch
+(then the group is sent from the shadow). Every variant of the kernels is compiled at
+connect, not in the sync that first needs one. The compare passes run on a stream of their
+own, and a window every route of which went dense is sent dense in the next sync without
+waiting for its counts or an emit pass (its compare pass only brings the shadow up to date
+and counts, so it is compared again once some route would go sparse; it is queued after the
+previous window's sends, which a compare grid queued first would hold back). Readers apply a window's group of buckets with one launch
 (per element size and addressing mode) that writes every dense frame and scatters every
 sparse frame into the live tensors, after one small device-to-host copy of the group's
 directories and one small host-to-device copy of where its frames go. On CPU the same steps
