@@ -37,11 +37,11 @@ connect, not in the sync that first needs one. The compare passes run on a strea
 own, and a window every route of which went dense is sent dense in the next sync without
 waiting for its counts or an emit pass (its compare pass only brings the shadow up to date
 and counts, so it is compared again once some route would go sparse; it is queued after the
-previous window's sends, which a compare grid queued first would hold back). Readers apply a window's group of buckets with one launch
-(per element size and addressing mode) that writes every dense frame and scatters every
-sparse frame into the live tensors, after one small device-to-host copy of the group's
-directories and one small host-to-device copy of where its frames go. On CPU the same steps
-are torch operations per route.
+previous window's sends, which a compare grid queued first would hold back). Readers apply a
+window's group of buckets with one launch (per element size and addressing mode) that writes
+every dense frame and scatters every sparse frame into the live tensors, after one small
+device-to-host copy of the group's directories and one small host-to-device copy of where its
+frames go. On CPU the same steps are torch operations per route.
 
 Bucket wire format (little-endian, no pickle), one bucket = one byte buffer::
 
