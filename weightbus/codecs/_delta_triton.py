@@ -240,7 +240,8 @@ def _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr, stor
 
 @triton.jit
 def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr,
-                store_ptr, g, live, T: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                store_ptr, g, live, T: tl.constexpr, BLOCK: tl.constexpr,
+                ASM: tl.constexpr):  # fmt: skip
     """What the emit kernel reads first of tiles ``g`` (one, or a column of them) that are
     ``live``: their routes' rows, their tile indices in their routes, their plan rows and
     frame kinds, where their new and previous values are, where a sparse frame's values and
