@@ -107,6 +107,7 @@ __all__ = [
     "encoded_size",
     "GROUP_FORMAT",
     "Group",
+    "group_aligned",
     "group_layout",
     "window_index",
 ]
@@ -220,6 +221,11 @@ GROUP_FORMAT = 2
 message (1 repeated each bucket's directory there)."""
 
 
+def group_aligned(n):
+    """``n`` bytes (an int or an integer array) rounded up to a :data:`GROUP_ALIGN` boundary."""
+    return -(-n // GROUP_ALIGN) * GROUP_ALIGN
+
+
 def group_layout(used: Sequence[int]) -> tuple[list[int], int]:
     """A window's group on the wire, its second message: its buckets' frames (``used``
     bytes each; their directories came in the first message), one after the other at
@@ -228,7 +234,7 @@ def group_layout(used: Sequence[int]) -> tuple[list[int], int]:
     starts, at = [], 0
     for n in used:
         starts.append(at)
-        at = -(-(at + int(n)) // GROUP_ALIGN) * GROUP_ALIGN
+        at = group_aligned(at + int(n))
     end = starts[-1] + int(used[-1]) if starts else 0
     return starts, end
 
@@ -250,7 +256,7 @@ class Group:
     @classmethod
     def of(cls, ops: Sequence[BucketOp]) -> Group:
         end = group_layout([capacity(op) - directory_bytes(op) for op in ops])[1]
-        at = -(-end // GROUP_ALIGN) * GROUP_ALIGN
+        at = group_aligned(end)
         return cls(tuple(ops), at, sum(directory_bytes(op) for op in ops))
 
     @property
@@ -685,7 +691,7 @@ class DeltaEncoder:
                 self._groups[members[0].bucket] = members
                 for op in members:
                     self._buckets[op.bucket] = _Bucket(op, total)
-                    total += -(-op.nbytes // GROUP_ALIGN) * GROUP_ALIGN
+                    total += group_aligned(op.nbytes)
         # analyzed windows_per_pass windows at a time, but the first alone (its compare pass
         # precedes the first byte sent): from here on a "window" is such a pass
         n = len(by_window)
@@ -1010,7 +1016,7 @@ class DeltaEncoder:
         stored = (np.bincount(lay.group, weights=framed) > 0)[lay.group]
         whole = stored & ~framed
         body = np.where(whole, lay.bucket_bytes, body)
-        room = np.where(stored, -(-body // GROUP_ALIGN) * GROUP_ALIGN, 0)[lay.order]
+        room = np.where(stored, group_aligned(body), 0)[lay.order]
         store_at = np.zeros(nb, np.int64)
         store_at[lay.order] = np.cumsum(room) - room
         in_whole = whole[lay.bucket]

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 import torch
 
 from weightbus.codecs.delta import (
-    GROUP_ALIGN,
     GROUP_FORMAT,
     DeltaConfig,
     DeltaDecision,
@@ -55,6 +54,7 @@ from weightbus.codecs.delta import (
     Group,
     capacity,
     directory_bytes,
+    group_aligned,
     group_layout,
     window_index,
 )
@@ -305,10 +305,6 @@ class WriterCodec:
         """Staging bytes bucket ``op`` needs."""
         return capacity(op) if self.encoder else op.nbytes
 
-    def directory_bytes(self, op: BucketOp) -> int | None:
-        """With deltas: the fixed first part of the bucket, sent before the rest."""
-        return directory_bytes(op) if self.encoder else None
-
     def group(self, op: BucketOp) -> Group | None:
         """Deltas: when bucket ``op`` is the first of its window's buckets to its reader,
         their :class:`~weightbus.codecs.delta.Group` (they travel together:
@@ -449,10 +445,6 @@ class ReaderCodec:
         """Staging bytes bucket ``op`` needs."""
         return capacity(op) if self.decoder else op.nbytes
 
-    def directory_bytes(self, op: BucketOp) -> int | None:
-        """With deltas: the fixed first part of the bucket, received before the rest."""
-        return directory_bytes(op) if self.decoder else None
-
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes a bucket may land in, in place (one contiguous route in the wire
         dtype, no delta), else None: delta buckets are always staged and decoded."""
@@ -466,13 +458,6 @@ class ReaderCodec:
         then the buckets as another); else None."""
         return self._group.get(op.bucket)
 
-    def take_directory(self, op: BucketOp, raw: bytes, frames: torch.Tensor) -> int:
-        """Deltas: bucket ``op``'s directory, received in its group, for the frames that land
-        at the start of ``frames``; returns their bytes (the directory is kept for
-        decoding)."""
-        assert self.decoder is not None, "take_directory is for delta buckets"
-        return self.decoder.take_directory(op, raw, frames)
-
     def take_group(
         self, group: Group, raw: bytes, buf: torch.Tensor
     ) -> tuple[list[tuple[BucketOp, int]], int]:
@@ -480,17 +465,18 @@ class ReaderCodec:
         that lands in its staging buffer ``buf``: each bucket and where its frames start
         there, and the bytes of the group's second message. Raises when the sizes do not add
         up."""
+        assert self.decoder is not None, "take_group is for delta buckets"
         members = group.ops
         buf = buf[: group.directories_at]  # the buckets never reach the directories
         parts, used, at = [], [], 0
         start = 0
         for m in members:
             head = directory_bytes(m)
-            n = self.take_directory(m, raw[at : at + head], buf[start:])
+            n = self.decoder.take_directory(m, raw[at : at + head], buf[start:])
             parts.append((m, start))
             used.append(n)
             at += head
-            start = -(-(start + n) // GROUP_ALIGN) * GROUP_ALIGN
+            start = group_aligned(start + n)
         total = group_layout(used)[1]
         if at != len(raw) or total > buf.numel():
             raise WeightbusError(
@@ -516,8 +502,9 @@ class ReaderCodec:
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
         """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
-        (the first :meth:`directory_bytes`, all that must have arrived); the directory is
-        kept for :meth:`unpack`, so a bucket costs one device-to-host copy."""
+        (the first :func:`~weightbus.codecs.delta.directory_bytes`, all that must have
+        arrived); the directory is kept for :meth:`unpack`, so a bucket costs one
+        device-to-host copy."""
         assert self.decoder is not None, "encoded_size is for delta buckets"
         return self.decoder.encoded_size(op, buf)
 
