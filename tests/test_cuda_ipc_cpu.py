@@ -1,12 +1,19 @@
-"""copy_job turns a region copy into one 2-D memcpy; checked on CPU by replaying the memcpy."""
+"""The CUDA transports' helpers, checked on CPU: copy_job turns a region copy into one 2-D
+memcpy (replayed on CPU); a waiting thread completes NCCL handles itself (EventPoller.settle,
+Transport.wait) instead of waiting for the poller thread to be scheduled."""
 
 from __future__ import annotations
 
 import random
+import time
+from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 
-from weightbus.transports._cuda import copy_job
+from weightbus.spec import Participant
+from weightbus.transports._cuda import EventPoller, copy_job
+from weightbus.transports.base import Handle, Transport
 
 
 def _replay(job, dst_base: torch.Tensor, src_base: torch.Tensor) -> None:
@@ -195,3 +202,65 @@ def test_replicated_tensors_are_relayed_only_where_that_cuts_the_writers_bytes()
     assert relay_pays(3 << 30, 1 << 30, 1 << 30)
     # S4e's writers: 8.55 GB out without relays, 8.03 with, each reader taking 8.56 in: no
     assert not relay_pays(855 << 20, 803 << 20, 856 << 20)
+
+
+class _Event:
+    """Stands for the CUDA event recorded after a handle's NCCL work."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+class _Polled(Transport):
+    """Just enough of a transport for wait(): its handles complete through an EventPoller."""
+
+    name = "test-polled"
+    devices = frozenset({"cpu"})
+
+    def __init__(self) -> None:
+        super().__init__(timedelta(seconds=5))
+        self._state = "connected"  # wait() needs no more of connect()
+        self.control = SimpleNamespace(raise_if_failed=lambda: None)
+        self.poller = EventPoller(self)
+
+    def _settle(self, handle: Handle) -> None:
+        self.poller.settle(handle)
+
+    def handle(self) -> tuple[Handle, _Event]:
+        h = Handle("send", Participant(role="reader", rank=0), 0, 8)
+        event = _Event()
+        h.native = (None, event, None)
+        self.poller.add(h)
+        return h, event
+
+
+def test_a_waiting_thread_settles_handles_without_the_poller():
+    t = _Polled()
+    t.poller.close()  # its thread is gone: only the waiting thread can complete handles now
+    assert not t.poller.thread.is_alive()
+    h, event = t.handle()
+    t.poller.settle(h)
+    assert not h.done() and t.poller.items == [h]  # not finished: left to the poller
+    event.finished = True
+    start = time.monotonic()
+    t.wait([h], timedelta(seconds=2))
+    assert h.done() and h.error is None and t.poller.items == []
+    assert time.monotonic() - start < 0.5
+    t.poller.settle(h)  # again, once done: nothing happens
+    assert h.done() and h.error is None
+
+
+def test_the_poller_still_completes_handles_nobody_waits_for():
+    t = _Polled()
+    try:
+        h, event = t.handle()
+        event.finished = True
+        deadline = time.monotonic() + 2
+        while not h.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert h.done() and t.poller.items == []
+    finally:
+        t.poller.close()

@@ -47,6 +47,24 @@ class EventPoller:
             self.items.append(handle)
         self.wake.set()
 
+    def settle(self, handle: Handle) -> None:
+        """Mark ``handle`` done now if its event completed, from the thread that waits for
+        it. That thread need not wait for this one to be scheduled: while another thread runs
+        Python (the writer packing its next buckets), this one gets the interpreter only every
+        switch interval (5 ms), and a staging buffer stayed busy that long after its send."""
+        native = handle.native
+        if native is None:
+            return
+        try:
+            finished = native[1].query()
+        except Exception:  # a sticky CUDA error: the poller reports it for every handle
+            return
+        if not finished:
+            return
+        with self.lock:
+            self.items = [h for h in self.items if h is not handle]
+        self.transport._completed(handle)
+
     def _run(self) -> None:
         while not self.stop:
             with self.lock:

@@ -339,7 +339,7 @@ class Transport:
         try:
             while True:
                 self._raise_if_lost()
-                while first < len(handles) and handles[first].done():
+                while first < len(handles) and self._settled(handles[first]):
                     first += 1
                 if first == len(handles):
                     bad = [h for h in handles if h.error is not None]
@@ -357,6 +357,17 @@ class Transport:
             raise
         except BaseException as e:  # interrupted: still leave nothing in flight
             self._give_up(e)
+
+    def _settled(self, handle: Handle) -> bool:
+        """In :meth:`wait`: whether ``handle`` is done, asking the transport itself when its
+        background thread has not said so yet (see :meth:`_settle`)."""
+        if not handle.done():
+            self._settle(handle)
+        return handle.done()
+
+    def _settle(self, handle: Handle) -> None:
+        """Mark ``handle`` done now if the transport can tell, from the waiting thread, that it
+        finished (NCCL: its CUDA event). The default leaves it to the transport's own thread."""
 
     def _raise_if_lost(self) -> None:
         """In :meth:`wait`: raise if this transport saw an operation fail (a composite

@@ -763,6 +763,9 @@ class LinksTransport(Transport):
     def _lost_by(self, handle: Handle) -> None:
         self._via[handle.peer.name]._lost_by(handle)
 
+    def _settle(self, handle: Handle) -> None:
+        self._via[handle.peer.name]._settle(handle)
+
     def _close(self) -> None:
         for sub in self._subs.values():
             sub.close()

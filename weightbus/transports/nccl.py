@@ -139,6 +139,10 @@ class NcclTransport(Transport):
         handle.native = (work, event, flat)
         self._poller.add(handle)
 
+    def _settle(self, handle: Handle) -> None:
+        if self._poller is not None:
+            self._poller.settle(handle)
+
     def _send(self, handle: Handle, buf: torch.Tensor) -> None:
         self._issue(handle, buf)
 
