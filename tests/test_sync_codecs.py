@@ -17,6 +17,7 @@ The two jobs run one after the other in the same processes (starting them is the
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import threading
 import traceback
 import zlib
@@ -60,11 +61,11 @@ def _step(canon: dict[str, torch.Tensor], version: int) -> None:
         flat[idx] = torch.randn(n, generator=g)
 
 
-def _configs(port: int, job: str, n_r: int, **codecs):
+def _configs(port: int, job: str, n_r: int, n_w: int = N_WRITERS, **sync_fields):
     from weightbus import ControlConfig, SyncConfig
 
     control = ControlConfig(
-        num_writers=N_WRITERS if job != "refusal" else 1,
+        num_writers=n_w,
         num_readers=n_r,
         address=f"127.0.0.1:{port}",
         host_store=False,
@@ -81,7 +82,7 @@ def _configs(port: int, job: str, n_r: int, **codecs):
         sync_timeout=timedelta(seconds=30),
         step_timeout=timedelta(seconds=60),
         transport="gloo",
-        **codecs,
+        **sync_fields,
     )
     return control, sync
 
@@ -360,7 +361,7 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
 
     def run(role, spec):
         try:
-            control, sync = _configs(store.port, "refusal", 1, **codecs(spec))
+            control, sync = _configs(store.port, "refusal", 1, 1, **codecs(spec))
             bound = _tiny_layout(role)
             if role == "reader" and "fp8" in spec:
                 wire = quantized_layout(bound.layout, sync.fp8)
@@ -386,6 +387,75 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
         assert "disagree on the codecs" in text and "SyncConfig.fp8" in text, text
         for w in words:
             assert w in text, (role, text)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scale_format", ["float32", "ue8m0"])  # ue8m0 turns a NaN scale to -0
+def test_fp8_non_finite_weights_fail_before_any_byte_moves(scale_format):
+    """A NaN in a quantized weight fails the writer's sync naming the tensor and its block,
+    before any byte is sent (the check waits until the first bucket is packed): the reader,
+    which receives in place, raises naming the writer and still holds the previous version
+    bit for bit."""
+    from weightbus import BoundLayout, PeerFailure, Reader, Writer
+    from weightbus.codecs import Fp8Config
+    from weightbus.codecs.fp8 import quantized_layout
+    from weightbus.plan import allocate
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    fp8 = Fp8Config(block=16, scale_format=scale_format)
+    errors: dict[str, BaseException] = {}
+    held: dict[str, dict[str, torch.Tensor]] = {}
+
+    def writer():
+        try:
+            control, sync = _configs(store.port, "nonfinite", 1, 1, fp8=fp8)
+            bound = _tiny_layout("writer")
+            bound.tensors["a.weight"].copy_(torch.randn(64, 64))
+            side = Writer(bound, control, sync)
+            side.connect()
+            side.sync(1)
+            bound.tensors["a.weight"][37, 50] = float("nan")
+            try:
+                side.sync(2)
+            finally:
+                side.close()
+        except BaseException as exc:
+            errors["writer"] = exc
+
+    def reader():
+        try:
+            control, sync = _configs(store.port, "nonfinite", 1, 1, fp8=fp8, apply="in_place")
+            wire = quantized_layout(_tiny_layout("reader").layout, fp8)
+            tensors = allocate(wire)
+            side = Reader(BoundLayout(layout=wire, tensors=tensors), control, sync)
+            side.connect()
+            try:
+                side.wait()
+                held["v1"] = {k: t.clone() for k, t in tensors.items()}
+                side.wait()
+            finally:
+                held["after"] = tensors
+                side.close()
+        except BaseException as exc:
+            errors["reader"] = exc
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=45)
+    assert not any(t.is_alive() for t in threads), errors
+    assert isinstance(errors.get("writer"), ValueError), errors
+    assert re.search(
+        r"writer 'writer-0': a.weight holds NaN or infinite values in FP8 block \(2, 3\)",
+        str(errors["writer"]),
+    ), errors["writer"]
+    assert isinstance(errors.get("reader"), PeerFailure), errors
+    assert "writer-0" in str(errors["reader"]) and "NaN" in str(errors["reader"]), errors
+    assert set(held["v1"]) == {"a.weight", "a.weight_scale_inv"}, held["v1"].keys()
+    for k, before in held["v1"].items():
+        after = held["after"][k]
+        assert torch.equal(after.view(torch.uint8), before.view(torch.uint8)), k
 
 
 def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):

@@ -226,6 +226,7 @@ class Writer(_Session):
         for op, live in zip(self.ops, self.direct, strict=True):
             group = codec.group(op) if deltas else None
             if live is not None:
+                codec.check()  # FP8: non-finite weights raise before the first send
                 direct.append(transport.send(op.peer_global, live, op.bucket))
                 sent += op.nbytes
             elif not deltas or group is not None:
@@ -243,9 +244,11 @@ class Writer(_Session):
                 if group is None:
                     t = time.perf_counter()
                     n = codec.pack(op, buf)
+                    codec.check()  # after the first pack was queued behind the amax pass
                     phases["pack"] += time.perf_counter() - t
                     handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
                 else:
+                    codec.check()
                     handles, n = self._send_group(op, group, buf, phases)
                 staged.append((handles, buf))
                 sent += n
@@ -264,6 +267,7 @@ class Writer(_Session):
             done += op.nbytes
             if progress is not None:
                 progress(done, total)
+        codec.check()  # where nothing was sent, the weights' fault is still this sync's
         codec.end()
         t = time.perf_counter()
         transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())

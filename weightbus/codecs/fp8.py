@@ -644,6 +644,8 @@ class WriterScales:
             total += n * m
         # one buffer for every grid: one finiteness check, one scale conversion, one exchange
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        # a deferred check (see :meth:`update`): the device flag, and the tensors it is of
+        self._finite: tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None = None
         self.tensors: dict[str, torch.Tensor] = {
             scale_name(t): self.flat[self._offset[t] : self._offset[t] + n * m].view(n, m)
             for t, (n, m) in shapes.items()
@@ -728,10 +730,15 @@ class WriterScales:
         return QuantizePlan(regions, self.config.block, self.flat.device)
 
     @torch.no_grad()
-    def partial(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    def partial(
+        self, tensors: Mapping[str, torch.Tensor], *, defer_check: bool = False
+    ) -> torch.Tensor | None:
         """Amax of the blocks this writer touches, into its grids; returns the exchange buffer
-        (its entries for shared blocks, 0 where it holds none) or None when none is needed."""
+        (its entries for shared blocks, 0 where it holds none) or None when none is needed.
+        Non-finite weights raise here, or with ``defer_check`` and no exchange, at
+        :meth:`check`."""
         block = self.config.block
+        self._finite = None
         self.flat.zero_()
         if tensors is self._bound and self._amax_table is not None:
             self._amax_table.amax()
@@ -744,7 +751,11 @@ class WriterScales:
                 a = block_amax(region, origin=origin, block=block)
                 g = self._cells(t, origin, region.shape)
                 torch.maximum(g, a, out=g)
-        if not bool(torch.isfinite(self.flat).all()):
+        finite = torch.isfinite(self.flat).all()
+        if defer_check and self.exchange_size == 0:
+            self._finite = (finite, tensors)  # read by check(), once more work is queued
+            return None
+        if not bool(finite):
             self._raise_non_finite()
         if self.exchange_size == 0:
             return None
@@ -774,9 +785,35 @@ class WriterScales:
             self.flat[self._flat_at] = exchanged[self._at]
         self.flat.copy_(scales_from_amax(self.flat, self.config))
 
-    def update(self, tensors: dict[str, torch.Tensor], reduce: AmaxReduce | None) -> None:
-        """:meth:`partial`, the all-reduce, :meth:`finish`: the scales of this sync."""
-        buf = self.partial(tensors)
+    def check(self) -> None:
+        """Raise for non-finite weights, if :meth:`update` deferred that check (a no-op
+        otherwise). Waits for the amax pass."""
+        deferred, self._finite = self._finite, None
+        if deferred is not None and not bool(deferred[0]):
+            # the scales no longer say which block (ue8m0 turns a NaN into -0): amax again,
+            # which raises naming it
+            self.partial(deferred[1])
+            raise RuntimeError(
+                f"writer {self.name!r}: the amax pass found NaN or infinite weights, a second "
+                "pass none: were the weights modified during the sync? Sync only between "
+                "optimizer steps"
+            )
+
+    def update(
+        self,
+        tensors: dict[str, torch.Tensor],
+        reduce: AmaxReduce | None,
+        *,
+        defer_check: bool = False,
+    ) -> None:
+        """:meth:`partial`, the all-reduce, :meth:`finish`: the scales of this sync.
+
+        With ``defer_check`` a writer that shares no block with another leaves the check
+        for non-finite weights to :meth:`check`, and this returns without waiting for the
+        amax pass: the caller queues its first pack behind it, then checks before the first
+        send. Writers that exchange amaxes check before the all-reduce, so that a non-finite
+        amax never reaches another writer's scales."""
+        buf = self.partial(tensors, defer_check=defer_check)
         if buf is not None:
             if reduce is None:
                 raise ValueError(

@@ -370,11 +370,18 @@ class WriterCodec:
         self._version = int(version)
         self._check_in_place()
         if self.scales is not None and not scales_ready:
-            self.scales.update(self.live, self.amax_reduce)
+            self.scales.update(self.live, self.amax_reduce, defer_check=True)
         if self.policy is not None:
             assert self.encoder is not None
             self._decision = self.policy.begin(self._version)
             self.encoder.begin(self._decision)
+
+    def check(self) -> None:
+        """FP8: raise for non-finite weights (see ``WriterScales.update``); call before the
+        first byte of the sync leaves (packs may be queued before it). Later calls of the
+        same sync return at once."""
+        if self.scales is not None:
+            self.scales.check()
 
     @torch.no_grad()
     def pack(self, op: BucketOp, buf: torch.Tensor) -> int:
