@@ -70,7 +70,9 @@ def scenarios(draw):
     pad = draw(st.integers(0, 2))
     bucket = draw(st.sampled_from([512, 2048, 1 << 20]))
     direct = draw(st.sampled_from([0, 8, 64, 4 << 20]))
-    return tensors, wpieces, rpieces, reader_dtype, fuse, pad, bucket, direct
+    # routes of half a bucket (0), or of a quarter where that is at least 2 alignments
+    route = draw(st.sampled_from([0, bucket // 4])) if bucket >= 2048 else 0
+    return tensors, wpieces, rpieces, reader_dtype, fuse, pad, (bucket, route), direct
 
 
 def _writer_layout(rank, tensors, pieces, pad):
@@ -110,21 +112,28 @@ def _reader_layout(rank, tensors, pieces, dtype, fuse, pad):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_layouts_reference_execution_is_exact(sc):
-    tensors, wpieces, rpieces, rdtype, fuse, pad, bucket, direct = sc
+    tensors, wpieces, rpieces, rdtype, fuse, pad, (bucket, route), direct = sc
     gen = torch.Generator().manual_seed(1)
     canon = {n: torch.randn(s, generator=gen) for n, s in tensors.items()}
     writers = [_writer_layout(w, tensors, p, pad) for w, p in wpieces.items()]
     readers = [_reader_layout(r, tensors, p, rdtype, fuse, pad) for r, p in rpieces.items()]
     # a tensor no reader wants is allowed here through ignore_unread
     opts = PlanOptions(
-        bucket_bytes=bucket, cast={"float32": rdtype}, ignore_unread=("t*",), direct_bytes=direct
+        bucket_bytes=bucket,
+        route_bytes=route,
+        cast={"float32": rdtype},
+        ignore_unread=("t*",),
+        direct_bytes=direct,
     )
     plan = make_plan(writers, readers, opts)
 
     check_plan(plan, writers, readers, canon, getattr(torch, rdtype))
 
-    # buckets respect the budget and hold routes of one link; big routes travel alone
+    # buckets respect the budget and hold routes of one link; big routes travel alone;
+    # routes of more than one element fit the route limit
     assert (plan.buckets.nbytes <= bucket).all()
+    elems = np.prod(plan.routes.stop - plan.routes.start, axis=1)
+    assert (plan.routes.nbytes[elems > 1] <= opts.route_limit).all()
     if direct:
         big = np.flatnonzero(plan.routes.nbytes >= direct)
         assert (plan.buckets.count[plan.routes.bucket[big]] == 1).all()
@@ -235,6 +244,30 @@ def test_single_writer_single_reader_sends_everything_once():
     plan = make_plan(w, r)
     assert plan.stats.total_bytes == 8 * 6 * 4
     assert plan.stats.writer_bytes == (8 * 6 * 4,)
+
+
+def test_quarter_routes_fill_buckets_to_three_quarters():
+    w, r = _simple(1, 1, rows=400, cols=400)  # 640,000 bytes, one link
+    bucket = 64 << 10
+    half = make_plan(w, r, PlanOptions(bucket_bytes=bucket, direct_bytes=0))
+    opts = PlanOptions(bucket_bytes=bucket, route_bytes=bucket // 4, direct_bytes=0)
+    fuller = make_plan(w, r, opts)
+    for plan in (half, fuller):
+        assert (plan.buckets.nbytes <= bucket).all() and plan.stats.total_bytes == 640_000
+    assert (fuller.routes.nbytes <= bucket // 4).all()
+    # all but the last bucket hold at least 3/4 of bucket_bytes less a route, and half as
+    # many buckets would not fit: on average about 3/4 full, against about 1/2
+    assert (fuller.buckets.nbytes[:-1] >= bucket // 2).all()
+    assert len(fuller.buckets) <= -(-640_000 // (bucket * 3 // 4)) + 1 < len(half.buckets)
+    assert fuller.digest != half.digest
+    wt = [allocate(lay) for lay in w]
+    canon = {"x": torch.randn(400, 400)}
+    fill_from_canonical(w[0], canon, wt[0])
+    rt = [allocate(lay) for lay in r]
+    execute(fuller, wt, rt)
+    assert torch.equal(rt[0]["x"], canon["x"])
+    with pytest.raises(ValueError, match="route_bytes=40000 must be 0"):
+        PlanOptions(bucket_bytes=bucket, route_bytes=40_000)
 
 
 @pytest.mark.parametrize("bucket", [512, 4096])

@@ -18,16 +18,20 @@ How a plan is made:
 3. Each distinct reader box is joined with the source regions it overlaps (a sweep, not all
    pairs) and must be covered completely; every reader holding that box gets one route per
    overlapping region, so each reader receives exactly its own region, once.
-4. Routes larger than half a bucket are cut along their outermost dim of extent > 1.
+4. Routes larger than half a bucket (or ``route_bytes``) are cut along their outermost dim of
+   extent > 1.
 5. Load balancing, the rule: routes whose region has the same holder set are laid out in a
    fixed order (reader, tensor, box) and cut into as many contiguous runs of equal bytes as
    there are holders; run ``j`` goes to holder ``(j + r) % k``, where ``r`` rotates with the
    holder set so rounding remainders do not pile up on one writer. Each holder therefore sends
-   its holder set's bytes divided by its size, within one route (at most half a bucket).
+   its holder set's bytes divided by its size, within one route (at most half a bucket, or
+   ``route_bytes``).
 6. Buckets: a route of at least ``direct_bytes`` is a bucket of its own (then a side whose
    region of it is contiguous in memory moves it in place, without staging). The other routes
    of each (writer, reader) link, in that fixed order, are packed into buckets of at most
-   ``bucket_bytes`` (each route starts at an aligned offset). Buckets are numbered in the
+   ``bucket_bytes`` (each route starts at an aligned offset): a bucket takes the routes that
+   start in its stretch of ``bucket_bytes`` minus the largest route, so buckets hold that
+   much on average (half a bucket by default; 3/4 with ``route_bytes`` a quarter). Buckets are numbered in the
    order of where they start in their link's byte stream, so executing them in order keeps
    every link busy at once, each advancing at the same rate in bytes.
 """
@@ -69,6 +73,10 @@ class PlanOptions:
 
     bucket_bytes: int = 256 * MiB
     """Largest bucket in bytes: one staging buffer. Routes are cut to fit half of it."""
+    route_bytes: int = 0
+    """Largest route, at most half a bucket; 0: half a bucket. Buckets of packed routes hold
+    ``bucket_bytes - route_bytes`` on average, so a quarter fills them to 3/4: fewer, fuller
+    messages where every route is staged (FP8), at the price of more routes."""
     cast: tuple[tuple[str, str], ...] = ()
     """Allowed dtype changes on the wire, writer dtype -> reader dtype, e.g. {"float32": "bfloat16"}."""
     ignore_unread: tuple[str, ...] = ()
@@ -91,15 +99,26 @@ class PlanOptions:
                 f"bucket_bytes={self.bucket_bytes} is too small: use at least {2 * self.align} "
                 "(a few MiB or more for real models)"
             )
+        if self.route_bytes and not 2 * self.align <= self.route_bytes <= self.bucket_bytes // 2:
+            raise ValueError(
+                f"route_bytes={self.route_bytes} must be 0 (half a bucket) or between "
+                f"{2 * self.align} and half of bucket_bytes={self.bucket_bytes}"
+            )
 
     def cast_to(self, src: str, dst: str) -> bool:
         """Whether writers holding dtype ``src`` may feed readers holding ``dst``."""
         return src == dst or (src, dst) in self.cast
 
+    @property
+    def route_limit(self) -> int:
+        """The largest route: ``route_bytes``, or half a bucket."""
+        return self.route_bytes or self.bucket_bytes // 2
+
     def key(self) -> str:
         """These options as one string, part of the plan's digest."""
+        route = f"route={self.route_bytes};" if self.route_bytes else ""
         return (
-            f"bucket={self.bucket_bytes};align={self.align};direct={self.direct_bytes};"
+            f"bucket={self.bucket_bytes};{route}align={self.align};direct={self.direct_bytes};"
             f"cast={self.cast};ignore={self.ignore_unread}"
         )
 
@@ -773,9 +792,9 @@ def _make_plan(
     rs, re_ = ist[inter], ien[inter]
     tens = r.tensor[rrow]
 
-    # cut routes to at most half a bucket, and routes of replicated regions finer, to 1/64 of
-    # a holder's share, so that rule 5's runs come out even
-    limit = opts.bucket_bytes // 2
+    # cut routes to at most half a bucket (route_bytes), and routes of replicated regions
+    # finer, to 1/64 of a holder's share, so that rule 5's runs come out even
+    limit = opts.route_limit
     sig_reg, counts = _holder_sets(reg, w)
     k = counts[region]
     _, set_of_region = np.unique(sig_reg, return_inverse=True)
@@ -810,7 +829,7 @@ def _make_plan(
     seq = np.arange(n, dtype=np.int64)
     # packed routes: a bucket per (link, chunk), in route order; lone routes: a bucket each
     small = np.flatnonzero(~alone)
-    chunk = pos[small] // limit
+    chunk = pos[small] // (opts.bucket_bytes - limit)  # + a last route of <= limit: fits
     starts = group_starts([link_id[small], chunk])
     b_of_route = np.empty(n, np.int64)
     b_of_route[small] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(small))))
