@@ -295,8 +295,9 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
 def profiled(name: str, i: int, warmup: int):
     """A profiler around sync ``i`` when ``$WEIGHTBUS_PROFILE_DIR`` is set and ``i`` is the first
     timed sync: writes ``<name>.txt`` there (the ops by CPU time and by CUDA time); otherwise a
-    no-op; with ``$WEIGHTBUS_PROFILE_TRACE`` set also ``<name>.trace.json``, the timeline. For
-    finding where a scenario's time goes, not for its figures."""
+    no-op; with ``$WEIGHTBUS_PROFILE_TRACE`` set also ``<name>.trace.json``, the timeline, and
+    with ``$WEIGHTBUS_PROFILE_STACK`` set the Python calls in it too (slower: every call is
+    recorded). For finding where a scenario's time goes, not for its figures."""
     import contextlib
 
     where = os.environ.get("WEIGHTBUS_PROFILE_DIR")
@@ -313,7 +314,8 @@ class _Profile:
         import torch
 
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        self.prof = torch.profiler.profile(activities=acts)
+        stack = bool(os.environ.get("WEIGHTBUS_PROFILE_STACK"))
+        self.prof = torch.profiler.profile(activities=acts, with_stack=stack)
         self.prof.__enter__()
         return self
 
