@@ -211,6 +211,7 @@ class _Event:
         self.finished = False
 
     def query(self) -> bool:
+        time.sleep(0)  # lets the other thread run, as a call into CUDA may
         return self.finished
 
 
@@ -224,7 +225,12 @@ class _Polled(Transport):
         super().__init__(timedelta(seconds=5))
         self._state = "connected"  # wait() needs no more of connect()
         self.control = SimpleNamespace(raise_if_failed=lambda: None)
+        self.completions: list[Handle] = []
         self.poller = EventPoller(self)
+
+    def _completed(self, handle: Handle, error: BaseException | None = None) -> None:
+        self.completions.append(handle)  # list.append: safe from both threads
+        super()._completed(handle, error)
 
     def _settle(self, handle: Handle) -> None:
         self.poller.settle(handle)
@@ -262,5 +268,21 @@ def test_the_poller_still_completes_handles_nobody_waits_for():
         while not h.done() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert h.done() and t.poller.items == []
+    finally:
+        t.poller.close()
+
+
+def test_each_handle_is_completed_once_by_the_poller_or_the_waiting_thread():
+    # subclasses act on completion (the fault tests flip a received byte there): never twice
+    t = _Polled()
+    try:
+        handles = []
+        for _ in range(300):
+            h, event = t.handle()
+            event.finished = True
+            handles.append(h)
+            t.poller.settle(h)  # races the poller thread, which sees the same events
+        t.wait(handles, timedelta(seconds=2))
+        assert sorted(map(id, t.completions)) == sorted(map(id, handles))
     finally:
         t.poller.close()

@@ -49,9 +49,10 @@ class EventPoller:
 
     def settle(self, handle: Handle) -> None:
         """Mark ``handle`` done now if its event completed, from the thread that waits for
-        it. That thread need not wait for this one to be scheduled: while another thread runs
-        Python (the writer packing its next buckets), this one gets the interpreter only every
-        switch interval (5 ms), and a staging buffer stayed busy that long after its send."""
+        it, which then need not wait for this poller to be scheduled: while another thread
+        runs Python (the writer packing its next buckets), the poller gets the interpreter
+        only when that thread blocks or after the switch interval (5 ms). A profile showed a
+        staging buffer reused 1.7 ms after its send had finished."""
         native = handle.native
         if native is None:
             return
@@ -61,7 +62,9 @@ class EventPoller:
             return
         if not finished:
             return
-        with self.lock:
+        with self.lock:  # whoever takes it out of the list completes it: exactly one thread
+            if not any(h is handle for h in self.items):
+                return  # the poller has it
             self.items = [h for h in self.items if h is not handle]
         self.transport._completed(handle)
 
@@ -87,9 +90,10 @@ class EventPoller:
                 return
             if done:
                 gone = set(map(id, done))
-                with self.lock:
+                with self.lock:  # not those a waiting thread settled meanwhile (see settle)
+                    mine = [h for h in self.items if id(h) in gone]
                     self.items = [h for h in self.items if id(h) not in gone]
-                for h in done:
+                for h in mine:
                     self.transport._completed(h)
             else:
                 time.sleep(50e-6)
