@@ -31,9 +31,9 @@ How a plan is made:
    of each (writer, reader) link, in that fixed order, are packed into buckets of at most
    ``bucket_bytes`` (each route starts at an aligned offset): a bucket takes the routes that
    start in its stretch of ``bucket_bytes`` minus the largest route, so buckets hold that
-   much on average (half a bucket by default; 3/4 with ``route_bytes`` a quarter). Buckets are numbered in the
-   order of where they start in their link's byte stream, so executing them in order keeps
-   every link busy at once, each advancing at the same rate in bytes.
+   much on average (half a bucket by default; 3/4 with ``route_bytes`` a quarter). Buckets
+   are numbered in the order of where they start in their link's byte stream, so executing
+   them in order keeps every link busy at once, each advancing at the same rate in bytes.
 """
 
 from __future__ import annotations
