@@ -229,6 +229,76 @@ def test_a_windows_directories_travel_as_one_message_per_reader(window):
         assert_exact(rs, got, canon)
 
 
+def test_a_groups_directories_are_checked_before_anything_is_applied():
+    """A group's directories are read at once: a bad entry, a wrong size or a short buffer in
+    any of its buckets is refused naming that bucket and tensor, before a byte is applied,
+    and the intact group still applies afterwards."""
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=1 << 30))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    for version in (1, 2):
+        if version == 2:
+            change(canon, torch.Generator().manual_seed(5), 0.02)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, canon, t)
+        if version == 1:
+            run_sync(plan, wcs, rcs, 1)
+    # sync 2 by hand for one group of several buckets
+    w_of = {op.bucket: (w, op) for w in wcs for op in w.ops}
+    rc, members = next(
+        (rc, g)
+        for rc in rcs
+        for g in (rc.group_of(op) for op in rc.ops)
+        if g is not None and len(g.ops) >= 3
+    )
+    w, wop = w_of[members.ops[0].bucket]
+    for c in (w, *rcs):
+        c.begin(2)
+    directories, sent = w.pack_group(wop, torch.zeros(w.group(wop).capacity, dtype=torch.uint8))
+    raw = directories.numpy().tobytes()
+    before = {k: v.clone() for k, v in rc.tensors.items()}
+    third = members.ops[2]
+    at = sum(directory_bytes(op) for op in members.ops[:2])  # the third bucket's header
+    tensor = third.copies[0].tensor
+
+    def bad(raw, pattern, buf=None):
+        buf = torch.zeros(members.capacity, dtype=torch.uint8) if buf is None else buf
+        with pytest.raises(WeightbusError, match=pattern):
+            rc.take_group(members, raw, buf)
+
+    entry = bytearray(raw)
+    entry[at + _HEAD.size] = 7  # the kind of the third bucket's first route
+    bad(bytes(entry), rf"bucket {third.bucket} from writer \d+ .*{tensor}.*: frame of "
+        rf"{tensor} is kind 7")  # fmt: skip
+    used = bytearray(raw)
+    _HEAD.pack_into(used, at, *(_HEAD.unpack_from(raw, at)[:4]), 10**6, 2, 1, 0)
+    bad(bytes(used), rf"bucket {third.bucket} .*frames end at byte \d+, the header says 1000000")
+    magic = bytearray(raw)
+    magic[at] ^= 1
+    bad(bytes(magic), rf"bucket {third.bucket} .*not a delta bucket of {len(third.copies)} routes")
+    bad(raw[:-16], rf"bucket {members.ops[0].bucket} .*directories of {len(raw) - 16} bytes")
+    small = torch.zeros(sent.numel() - 1, dtype=torch.uint8)
+    bad(raw, f"has {sent.numel()} bytes of frames, the buffer holds {sent.numel() - 1}", small)
+    for k, v in rc.tensors.items():  # nothing applied
+        assert torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)), k
+    buf = torch.zeros(members.capacity, dtype=torch.uint8)
+    parts, n = rc.take_group(members, raw, buf)
+    assert n == sent.numel() and len(parts) == len(members.ops)
+    buf[:n] = sent
+    with pytest.raises(RuntimeError, match="not taken for their frames in this buffer"):
+        rc.unpack_group(parts, buf.clone())
+    rc.take_group(members, raw, buf)
+    rc.unpack_group(parts, buf)
+    changed = 0
+    for op in members.ops:  # the group's buckets now hold version 2, as the writer packs them
+        mine, theirs, old = (torch.zeros(op.nbytes, dtype=torch.uint8) for _ in range(3))
+        pack(op, rc.tensors, mine)
+        pack(w_of[op.bucket][1], w.live, theirs)
+        pack(op, before, old)
+        assert torch.equal(mine, theirs), op.bucket
+        changed += not torch.equal(mine, old)
+    assert changed
+
+
 @pytest.mark.parametrize(
     "variant",
     ["one window", "small windows", "small windows, one a pass", "shadow copied per window"],

@@ -53,9 +53,6 @@ from weightbus.codecs.delta import (
     DeltaPolicy,
     Group,
     capacity,
-    directory_bytes,
-    group_aligned,
-    group_layout,
     window_index,
 )
 from weightbus.codecs.fp8 import (
@@ -67,7 +64,6 @@ from weightbus.codecs.fp8 import (
     WriterScales,
     quantized_layout,
 )
-from weightbus.errors import WeightbusError
 from weightbus.plan.planner import TransferPlan
 from weightbus.plan.program import BucketCopier, BucketOp, build_program, direct_view
 from weightbus.spec import Layout, LayoutError
@@ -473,26 +469,8 @@ class ReaderCodec:
         there, and the bytes of the group's second message. Raises when the sizes do not add
         up."""
         assert self.decoder is not None, "take_group is for delta buckets"
-        members = group.ops
-        buf = buf[: group.directories_at]  # the buckets never reach the directories
-        parts, used, at = [], [], 0
-        start = 0
-        for m in members:
-            head = directory_bytes(m)
-            n = self.decoder.take_directory(m, raw[at : at + head], buf[start:])
-            parts.append((m, start))
-            used.append(n)
-            at += head
-            start = group_aligned(start + n)
-        total = group_layout(used)[1]
-        if at != len(raw) or total > buf.numel():
-            raise WeightbusError(
-                f"reader {self.name!r}: a group of {len(members)} buckets from bucket "
-                f"{members[0].bucket} came with {len(raw)} bytes of directories ({at} "
-                f"expected) for {total} bytes ({buf.numel()} at most): the two sides run "
-                "different weightbus versions or codecs"
-            )
-        return parts, total
+        # the buckets never reach the directories
+        return self.decoder.take_group(group.ops, raw, buf[: group.directories_at])
 
     @torch.no_grad()
     def unpack_group(self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor) -> None:
