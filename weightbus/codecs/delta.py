@@ -79,7 +79,6 @@ regions against it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -624,8 +623,7 @@ class _Window:
     """One window of the current sync, from its compare pass until its last bucket is packed."""
 
     __slots__ = (
-        "dense", "encoded", "event", "lay", "meta", "scratch", "spans", "state", "store",
-        "store_bytes", "work",
+        "dense", "encoded", "event", "lay", "meta", "scratch", "spans", "state", "store", "work",
     )  # fmt: skip
 
     def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool) -> None:
@@ -641,8 +639,7 @@ class _Window:
         whole, from the shadow)."""
         self.store: torch.Tensor | None = None
         """The second messages of the window's groups that have framed buckets, as they go on
-        the wire (their plain buckets too, whole); made with the emit pass."""
-        self.store_bytes = 0
+        the wire (their plain buckets too, whole)."""
         self.spans: dict[int, tuple[int, int] | None] = {}
         """Per group (its first bucket): its second message's bytes in :attr:`store`, or None
         when all its buckets are plain (it is sent from :attr:`work`)."""
@@ -719,8 +716,6 @@ class DeltaEncoder:
         self._local = self.shadow.device.type == self.device.type
         cuda = self.device.type == "cuda" and self._kernels is not None
         self._side = torch.cuda.Stream(self.device) if cuda else None
-        # the emit passes (and their stores): ahead of the compare pass queued before them
-        self._urgent = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         """On CUDA, the compare passes' stream, so that a window's compare pass may run
         beside the previous window's emit pass (one is bound by memory, the other by
         compute). On an H200 with 1 GiB windows they hardly overlap: the compare grid fills
@@ -971,9 +966,8 @@ class DeltaEncoder:
             else:
                 self._dense.discard(w)
         plan = self._plan(win, decision, counts, sparse)
-        assert not (win.dense and win.store_bytes), "a window sent dense has no frames"
         if not win.dense:
-            self._emit_pass(lay, win, plan, int(counts.sum()))
+            lay.table.emit(win.state, win.work, win.scratch, plan, win.store, int(counts.sum()))
         if not self._local:
             # a host shadow: take the window's new bytes back before anything reads them
             self.shadow[lay.base : lay.end].copy_(win.work)
@@ -990,30 +984,6 @@ class DeltaEncoder:
             parts = [meta[lay.meta_at[i] : lay.meta_at[i] + lay.bks[i].head] for i in members]
             group = torch.from_numpy(np.concatenate(parts))
             self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
-
-    def _emit_pass(self, lay: _Layout, win: _Window, plan: np.ndarray, changed: int) -> None:
-        """Launch window ``win``'s emit pass, into a store of ``win.store_bytes``.
-
-        On CUDA it runs on a stream of higher priority than the compare pass, queued just
-        before it (see :meth:`_analyze`): the device then starts the emit pass's blocks as
-        the compare pass's finish, instead of after its last ones started. Measured on two
-        GPUs at 1% changed, the two passes ran one after the other (1.6 then 0.9 ms per 2
-        GiB), the emit pass held back even by the store's zero fill."""
-        urgent = None if isinstance(lay.table, _TorchWindow) else self._urgent
-        current = torch.cuda.current_stream(self.device) if urgent is not None else None
-        with torch.cuda.stream(urgent) if urgent is not None else contextlib.nullcontext():
-            if urgent is not None:
-                urgent.wait_stream(current)
-            if win.store_bytes:
-                # zeros: the padding between frames goes on the wire too, the same every time
-                win.store = torch.zeros(win.store_bytes, dtype=torch.uint8, device=self.device)
-            lay.table.emit(win.state, win.work, win.scratch, plan, win.store, changed)
-        if urgent is not None:
-            # what follows on the current stream (the packs, and whatever reuses the memory
-            # of the tensors the pass reads, all made on that stream) waits for the pass
-            current.wait_stream(urgent)
-            if win.store is not None:
-                win.store.record_stream(current)  # read there, by the packs
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
         """Per route: whether it travels sparse (its frame is smaller than its bytes)."""
@@ -1094,7 +1064,10 @@ class DeltaEncoder:
             win.spans[first] = span if stored[b] else None
         host = torch.frombuffer(meta, dtype=torch.uint8)
         win.meta = host.pin_memory() if self.device.type == "cuda" else host.clone()
-        win.store_bytes = int(room.sum())  # the store is made with the emit pass
+        total = int(room.sum())
+        if total:
+            # zeros: the padding between frames goes on the wire too, the same every time
+            win.store = torch.zeros(total, dtype=torch.uint8, device=self.device)
         return plan
 
     # -- packing one bucket: copies only -------------------------------------------------------
