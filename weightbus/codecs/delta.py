@@ -1134,6 +1134,8 @@ class _Span:
     """Per bucket: its dense bytes."""
     starts: np.ndarray
     """Per bucket: its first route."""
+    counts: np.ndarray
+    """Per bucket: its routes."""
     entries: np.ndarray
     """Per route: the 16-byte row of its directory entry."""
     bucket: np.ndarray
@@ -1161,6 +1163,7 @@ class _Span:
             head_bytes=heads,
             nbytes_op=np.array([op.nbytes for op in ops], np.int64),
             starts=np.cumsum(counts) - counts,
+            counts=counts,
             entries=np.concatenate(rows),
             bucket=np.repeat(np.arange(len(ops)), counts),
             row=np.concatenate([s.first + np.arange(len(s.isz)) for s in st]),
@@ -1171,8 +1174,7 @@ class _Span:
 
     def routes_of(self, k: int) -> slice:
         """Bucket ``k``'s routes."""
-        end = self.starts[k + 1] if k + 1 < len(self.ops) else len(self.bucket)
-        return slice(int(self.starts[k]), int(end))
+        return slice(int(self.starts[k]), int(self.starts[k] + self.counts[k]))
 
 
 @dataclass(slots=True)
@@ -1298,7 +1300,7 @@ class DeltaDecoder:
         head = rows[span.heads[:, None] + np.arange(_HEAD.size // ALIGN)]
         head = head.reshape(len(span.ops), _HEAD.size).view(_HEAD_FIELDS)[:, 0]
         ent = rows[span.entries].view(_ENT_FIELDS)[:, 0]
-        n = np.diff(np.append(span.starts, len(span.bucket)))
+        n = span.counts
         bad = np.flatnonzero((head["magic"] != MAGIC) | (head["frames"] != n))
         if len(bad):
             k = int(bad[0])
