@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.interp import INTERPRETER, run_interpreted
@@ -229,10 +232,10 @@ def test_a_windows_directories_travel_as_one_message_per_reader(window):
         assert_exact(rs, got, canon)
 
 
-def test_a_groups_directories_are_checked_before_anything_is_applied():
-    """A group's directories are read at once: a bad entry, a wrong size or a short buffer in
-    any of its buckets is refused naming that bucket and tensor, before a byte is applied,
-    and the intact group still applies afterwards."""
+def _group_at_sync_2():
+    """A reader's group of at least 3 buckets at sync 2 (2% changed, after a dense sync 1):
+    (reader codec, group, its writer codec, the group's directories and frames as sent);
+    every codec has begun sync 2, nothing of it applied yet."""
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=1 << 30))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
     for version in (1, 2):
@@ -242,7 +245,6 @@ def test_a_groups_directories_are_checked_before_anything_is_applied():
             fill_from_canonical(lay, canon, t)
         if version == 1:
             run_sync(plan, wcs, rcs, 1)
-    # sync 2 by hand for one group of several buckets
     w_of = {op.bucket: (w, op) for w in wcs for op in w.ops}
     rc, members = next(
         (rc, g)
@@ -254,7 +256,15 @@ def test_a_groups_directories_are_checked_before_anything_is_applied():
     for c in (w, *rcs):
         c.begin(2)
     directories, sent = w.pack_group(wop, torch.zeros(w.group(wop).capacity, dtype=torch.uint8))
-    raw = directories.numpy().tobytes()
+    return rc, members, w, directories.numpy().tobytes(), sent
+
+
+def test_a_groups_directories_are_checked_before_anything_is_applied():
+    """A group's directories are read at once: a bad entry, a wrong size or a short buffer in
+    any of its buckets is refused naming that bucket and tensor, before a byte is applied,
+    and the intact group still applies afterwards."""
+    rc, members, w, raw, sent = _group_at_sync_2()
+    w_of = {op.bucket: op for op in w.ops}
     before = {k: v.clone() for k, v in rc.tensors.items()}
     third = members.ops[2]
     at = sum(directory_bytes(op) for op in members.ops[:2])  # the third bucket's header
@@ -292,11 +302,61 @@ def test_a_groups_directories_are_checked_before_anything_is_applied():
     for op in members.ops:  # the group's buckets now hold version 2, as the writer packs them
         mine, theirs, old = (torch.zeros(op.nbytes, dtype=torch.uint8) for _ in range(3))
         pack(op, rc.tensors, mine)
-        pack(w_of[op.bucket][1], w.live, theirs)
+        pack(w_of[op.bucket], w.live, theirs)
         pack(op, before, old)
         assert torch.equal(mine, theirs), op.bucket
         changed += not torch.equal(mine, old)
     assert changed
+
+
+def test_corrupt_group_directories_are_refused_or_stay_inside_the_buffer():
+    """Bytes of a group's directories changed at random: reading them raises WeightbusError,
+    never another exception, or (a field the frames' layout does not depend on: versions,
+    checksums, reserved bytes) gives the intact bytes' layout, inside the group's second
+    message, which fits the staging buffer. (Flips that change sizes consistently across
+    the entries and the headers would be read as a new layout; random flips of a few bytes
+    do not make one.)"""
+    rc, members, _, raw, sent = _group_at_sync_2()
+    buf = torch.zeros(members.capacity, dtype=torch.uint8)
+    room = members.directories_at
+    first = members.ops[0].bucket
+    intact_parts, _ = rc.take_group(members, raw, buf)
+    intact = rc.decoder._read[first]
+    flips = st.lists(
+        st.tuples(st.integers(0, len(raw) - 1), st.integers(0, 255)), min_size=1, max_size=4
+    )
+    outcomes = collections.Counter()
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(flips)
+    def check(flips):
+        bad = bytearray(raw)
+        for at, value in flips:
+            bad[at] = value
+        try:
+            parts, n = rc.take_group(members, bytes(bad), buf)
+        except WeightbusError:
+            outcomes["refused"] += 1
+            return
+        outcomes["read"] += 1
+        assert n <= room and n == sent.numel() and parts == intact_parts
+        d = rc.decoder._read[first]
+        for a, b in ((d.sparse, intact.sparse), (d.offset, intact.offset), (d.count, intact.count)):
+            assert (a == b).all()
+        for k, (_, at) in enumerate(parts):
+            assert at + d.frames[k] <= n
+            mine = d.span.routes_of(k)
+            sparse, count = d.sparse[mine], d.count[mine]
+            size = np.where(
+                sparse, -(-count * d.ix[mine] // 16) * 16 + count * d.unit[mine],
+                d.span.nbytes[mine],
+            )  # fmt: skip
+            assert (d.offset[mine] >= 0).all()
+            assert (d.offset[mine] + size <= d.frames[k]).all()
+
+    check()
+    parts, n = rc.take_group(members, raw, buf)  # the intact bytes still read
+    assert n == sent.numel() and outcomes["refused"] > 100 and outcomes["read"] > 0
 
 
 @pytest.mark.parametrize(
