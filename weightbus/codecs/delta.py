@@ -1438,7 +1438,7 @@ class DeltaDecoder:
         to the live tensors; ``held`` is the version they hold before it."""
         head = directory_bytes(op)
         d = self._read.get(op.bucket)
-        if d is None or d.address != buf.data_ptr() or d.at != (head,) or d.span.ops != (op,):
+        if d is None or d.address != buf.data_ptr() or d.at != (head,) or len(d.span.ops) != 1:
             self.encoded_size(op, buf)
         self.decode_group([(op, head)], buf, version=version, held=held)
 
