@@ -296,6 +296,24 @@ def test_a_groups_directories_are_checked_before_anything_is_applied():
     buf[:n] = sent
     with pytest.raises(RuntimeError, match="not taken for their frames in this buffer"):
         rc.unpack_group(parts, buf.clone())
+    # a sparse frame's index beyond its route (the frames, not the directories, damaged)
+    rc.take_group(members, raw, buf)
+    d = rc.decoder._read[members.ops[0].bucket]
+    j = int(np.flatnonzero(d.sparse & (d.count > 0) & (d.span.bucket > 0))[0])
+    k = int(d.span.bucket[j])
+    op, at = parts[k]
+    tensor = op.copies[j - int(d.span.starts[k])].tensor
+    units = int(d.span.nbytes[j]) // int(d.unit[j])
+    bad = buf.clone()
+    place = at + int(d.offset[j]) + (int(d.count[j]) - 1) * int(d.ix[j])
+    bad[place : place + 4] = torch.tensor([units], dtype=torch.int32).view(torch.uint8)
+    rc.take_group(members, raw, bad)
+    with pytest.raises(
+        WeightbusError, match=rf"bucket {op.bucket} .*sparse frame of {tensor} has index {units}"
+    ):
+        rc.unpack_group(parts, bad)
+    for key, v in rc.tensors.items():  # nothing of the group applied
+        assert torch.equal(v.view(torch.uint8), before[key].view(torch.uint8)), key
     rc.take_group(members, raw, buf)
     rc.unpack_group(parts, buf)
     changed = 0

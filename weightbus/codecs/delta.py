@@ -1480,6 +1480,8 @@ class DeltaDecoder:
                 f"is a delta against version {d.base[k]}, but this reader holds {held}: the "
                 "writer must send it dense (it does for a reader that missed a sync)",
             )
+        if self._table is None and buf.device.type == "cpu":
+            self._check_indices(parts, buf, d)
         if self._table is not None:
             self._apply(buf, d)
         else:
@@ -1497,6 +1499,32 @@ class DeltaDecoder:
                     f"the writer's is {int(d.checksum[k]):#018x}: these tensors were changed "
                     "outside weightbus or a delta was lost; the next sync must be dense",
                 )
+
+    def _check_indices(
+        self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor, d: _Directories
+    ) -> None:
+        """Raise, before anything is applied, for a sparse frame whose indices fall outside
+        its route: the torch ops on frames in host memory (a pass over their indices, ~4
+        bytes per changed element; on a GPU it would cost a wait per group, and the apply
+        kernel does not check them yet)."""
+        host = buf.numpy()  # the same bytes (numpy: no torch op per route)
+        for k, (op, at) in enumerate(parts):
+            mine = d.span.routes_of(k)
+            for i in np.flatnonzero(d.sparse[mine] & (d.count[mine] > 0)).tolist():
+                j = mine.start + i
+                n, size, off = int(d.count[j]), int(d.ix[j]), at + int(d.offset[j])
+                idx = host[off : off + n * size].view("<i4" if size == 4 else "<i8")
+                units = int(d.span.nbytes[j]) // int(d.unit[j])
+                lo, hi = int(idx.min()), int(idx.max())
+                if lo < 0 or hi >= units:
+                    c = op.copies[i]
+                    raise self._error(
+                        op,
+                        f"sparse frame of {c.tensor} has index {lo if lo < 0 else hi} for "
+                        f"{units} units (elements of {int(d.unit[j])} bytes): the frame was "
+                        "damaged in transit or the two sides disagree on the plan; nothing "
+                        "of this group was applied",
+                    )
 
     def _apply(self, buf: torch.Tensor, d: _Directories) -> None:
         """Every frame of the buckets in one launch (per element size and addressing mode)."""
