@@ -1521,7 +1521,7 @@ class DeltaDecoder:
                     raise self._error(
                         op,
                         f"sparse frame of {c.tensor} has index {lo if lo < 0 else hi} for "
-                        f"{units} units (elements of {int(d.unit[j])} bytes): the frame was "
+                        f"{units} units of {int(d.unit[j])} bytes in its route: the frame was "
                         "damaged in transit or the two sides disagree on the plan; nothing "
                         "of this group was applied",
                     )
