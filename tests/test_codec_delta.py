@@ -213,6 +213,8 @@ def test_a_windows_directories_travel_as_one_message_per_reader(window):
         expected |= {(op.peer, i, wi) for op, wi in zip(w.ops, index, strict=True)}
     groups = [(r, rc.group_of(op)) for r, rc in enumerate(rcs) for op in rc.ops]
     groups = [(r, g) for r, g in groups if g is not None]
+    for r, g in groups:  # each group's directories laid out at connect, before any sync
+        assert tuple(op.bucket for op in g.ops) in rcs[r].decoder._spans
     assert len(groups) == len(expected)  # one per (reader, writer, window) that has buckets
     if window == 1:
         assert len(groups) == len(plan.buckets)

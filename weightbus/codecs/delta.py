@@ -1120,8 +1120,8 @@ def _scatter(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> Non
 @dataclass(frozen=True, slots=True)
 class _Span:
     """Buckets whose headers and directories arrive together (a window's group, or one
-    bucket), as fixed at connect: where each header and entry lies in their bytes, and the
-    routes' expected frames. Routes are numbered across the buckets, in order."""
+    bucket): where each header and entry lies in their bytes, and the routes' expected
+    frames. Routes are numbered across the buckets, in order."""
 
     ops: tuple[BucketOp, ...]
     size: int
@@ -1279,6 +1279,13 @@ class DeltaDecoder:
         return WeightbusError(
             f"{self.name}: bucket {op.bucket} from writer {op.peer} ({tensors}): {what}"
         )
+
+    def expect(self, groups: Iterable[Sequence[BucketOp]]) -> None:
+        """The groups whose directories will arrive together (each a window's buckets from
+        one writer): their spans are laid out now, at connect, not in the first sync (a
+        bucket read alone gets its span when it first comes)."""
+        for ops in groups:
+            self._span(ops)
 
     def _span(self, ops: Sequence[BucketOp]) -> _Span:
         key = tuple(op.bucket for op in ops)

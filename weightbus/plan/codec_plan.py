@@ -439,6 +439,8 @@ class ReaderCodec:
         self._group: dict[int, Group] = {}
         if codecs.delta is not None:
             self._group = _directory_groups(plan, self.ops, codecs.delta.window_bytes)
+            assert self.decoder is not None
+            self.decoder.expect(g.ops for g in self._group.values())  # at connect
         self.version: int | None = None
         """The version the live tensors hold."""
         self._syncing: int | None = None
