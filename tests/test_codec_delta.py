@@ -329,6 +329,76 @@ def test_a_groups_directories_are_checked_before_anything_is_applied():
     assert changed
 
 
+def damaged_index_case(device: str, impl: str) -> None:
+    """A group whose sparse frame has an index just past its route (whose next element is
+    another route's, in the same storage): the torch path refuses it before applying anything;
+    the apply kernel writes everything else, not that element, and the reader's check then
+    raises naming the tensor. Applying the intact group afterwards gives the writer's bytes
+    everywhere: no element outside the damaged one was touched."""
+    rc, members, w, raw, sent = _group_at_sync_2()
+    tensors = {k: v.to(device) for k, v in rc.tensors.items()}
+    before = {k: v.clone() for k, v in tensors.items()}
+    dec = DeltaDecoder(rc.ops, tensors, "r", impl=impl)
+    assert (dec._table is None) == (impl == "torch")
+    buf = torch.zeros(members.capacity, dtype=torch.uint8, device=device)
+    parts, n = dec.take_group(members.ops, raw, buf)
+    buf[:n] = sent.to(device)
+    d = dec._read[members.ops[0].bucket]
+    sparse = np.flatnonzero(d.sparse & (d.count > 0) & (d.unit == d.span.isz))
+    # a contiguous route with elements after it in its storage
+    for j in sparse.tolist():
+        k = int(d.span.bucket[j])
+        op, at = parts[k]
+        c = op.copies[j - int(d.span.starts[k])]
+        region = tensors[c.key][c.index]
+        if region.is_contiguous() and region.storage_offset() + region.numel() < (
+            tensors[c.key].numel()
+        ):
+            break
+    else:
+        raise AssertionError("no sparse route with room after it")
+    units = region.numel()
+    bad = buf.clone()
+    place = at + int(d.offset[j]) + (int(d.count[j]) - 1) * int(d.ix[j])
+    index = torch.tensor([units], dtype=torch.int32 if d.ix[j] == 4 else torch.int64)
+    bad[place : place + int(d.ix[j])] = index.view(torch.uint8).to(device)
+    dec.take_group(members.ops, raw, bad)
+    if impl == "torch":
+        with pytest.raises(WeightbusError, match=rf"sparse frame of {c.tensor} has index {units}"):
+            dec.decode_group(parts, bad, version=2, held=1)
+        for key, v in tensors.items():  # nothing of the group applied
+            assert torch.equal(v.view(torch.uint8), before[key].view(torch.uint8)), key
+    else:
+        dec.decode_group(parts, bad, version=2, held=1)
+        with pytest.raises(
+            WeightbusError,
+            match=rf"bucket {op.bucket} .*1 elements of sparse frames \(of {c.tensor} among",
+        ):
+            dec.check()
+        dec.check()  # counted once
+        changed = [k for k, v in tensors.items() if not torch.equal(v, before[k])]
+        assert changed  # the rest was applied
+    dec.take_group(members.ops, raw, buf)
+    dec.decode_group(parts, buf, version=2, held=1)
+    dec.check()
+    w_of = {op.bucket: op for op in w.ops}
+    group = {op.bucket for op in members.ops}
+    host, old = ({k: v.cpu() for k, v in t.items()} for t in (tensors, before))
+    for op in rc.ops:  # the group's buckets: the writer's bytes; the others: untouched
+        mine, theirs = (torch.zeros(op.nbytes, dtype=torch.uint8) for _ in range(2))
+        pack(op, host, mine)
+        if op.bucket in group:
+            pack(w_of[op.bucket], w.live, theirs)
+        else:
+            pack(op, old, theirs)
+        assert torch.equal(mine, theirs), op.bucket
+    assert len(group) < len(rc.ops)
+
+
+def test_a_damaged_sparse_index_is_refused_on_the_torch_path():
+    damaged_index_case("cpu", "torch")
+
+
 def test_corrupt_group_directories_are_refused_or_stay_inside_the_buffer():
     """Bytes of a group's directories changed at random: reading them raises WeightbusError,
     never another exception, or (a field the frames' layout does not depend on: versions,
@@ -1034,6 +1104,11 @@ def test_interp_groups_of_plain_buckets(monkeypatch):
     """As test_groups_of_plain_buckets_are_sent_from_the_shadow, on the Triton path: plain
     buckets of groups with framed ones are written whole by the emit pass."""
     plain_groups_case(monkeypatch, "triton")
+
+
+@interpreted
+def test_interp_the_apply_kernel_skips_and_reports_indices_outside_their_route():
+    damaged_index_case("cpu", "triton")
 
 
 @interpreted

@@ -23,6 +23,7 @@ from tests.test_codec_delta import (
     TENSORS,
     assert_exact,
     change,
+    damaged_index_case,
     kernels_equal_torch,
     readers,
     unchanged_sync_bytes,
@@ -56,6 +57,13 @@ def test_kernels_equal_the_torch_path(seed, window, shadow, block, monkeypatch):
     assert not _delta_triton.INTERPRETED
     monkeypatch.setattr(_delta_triton, "BLOCK", block)
     kernels_equal_torch(seed, "cuda", window, host_copy=False, shadow=shadow)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_damaged_sparse_index_is_not_written_on_the_gpu(impl):
+    """The torch path refuses the group before applying it (an index out of range would stop
+    the device); the apply kernel skips the element and the reader's check names it."""
+    damaged_index_case("cuda", impl)
 
 
 def _start_on_cuda(codecs, bucket_bytes=2048):

@@ -261,6 +261,8 @@ class Reader(_Session):
                 t = time.perf_counter()
                 torch.cuda.current_stream(self._device).synchronize()
                 phases["transfer" if self.pulled else "unpack"] += time.perf_counter() - t
+            if self.codec is not None:
+                self.codec.check()  # frames the device refused to apply (damaged)
             if verifier is not None:
                 t = time.perf_counter()
                 check_reader(

@@ -28,7 +28,9 @@ elements into the shadow.
 
 Reader, per group of buckets (:class:`TargetTable`): one launch per element size and
 addressing mode writes every dense frame and scatters every sparse frame of the buckets into
-the live regions.
+the live regions. An element whose index falls outside its region (a damaged frame) is not
+written: it is counted, with its route, in the table's faults, which the reader reads once
+per sync (:meth:`TargetTable.faults`, after its stream ran) and refuses the sync for.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ CONTIG, ROWS, FLAT = 0, 1, 2
 # n3, s3, n2, s2, n1, s1, s0, 0 (elements; leading dims padded with extent 1)
 _WF = 16
 _RF: tl.constexpr = tl.constexpr(_WF)
-# reader target row (int64): address, then dims as above
-_TFH = 8
+# reader target row (int64): address, then dims as above (n3 .. s0), then elements
+_TFH = 9
 _TF: tl.constexpr = tl.constexpr(_TFH)
 # reader entry (int64): first tile, target row, values offset (bytes in the bucket), indices
 # offset (sparse), elements to write, index size (sparse), log2 elements per unit, sparse
@@ -338,6 +340,7 @@ def _apply_kernel(
     steps,
     targets_ptr,
     buf_ptr,
+    faults_ptr,
     T: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -367,12 +370,19 @@ def _apply_kernel(
     i8 = tl.load(at.to(tl.pointer_type(tl.int64)) + unit, mask=m8, other=0)
     t = tl.where(sparse, ((i4.to(tl.int64) + i8) << lr) + (k - (unit << lr)), k)
     vals = tl.load((buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + k, mask=valid)
-    row = targets_ptr + tl.load(e + 1) * _TF
+    route = tl.load(e + 1)
+    row = targets_ptr + route * _TF
+    # a damaged sparse frame's index may point anywhere: only elements of the route are written
+    inside = (t >= 0) & (t < tl.load(row + 8))
     if CONTIGUOUS:
         off = t
     else:
         off = _flat(row + 1, t)
-    tl.store(tl.load(row).to(tl.pointer_type(T)) + off, vals, mask=valid)
+    tl.store(tl.load(row).to(tl.pointer_type(T)) + off, vals, mask=valid & inside)
+    outside = tl.sum((valid & (inside == 0)).to(tl.int64), axis=0)
+    if outside > 0:  # faults: elements refused, and the last route that had one (+1)
+        tl.atomic_add(faults_ptr, outside)
+        tl.atomic_max(faults_ptr + 1, route + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,10 +613,21 @@ class TargetTable:
                     "has more than 4 dims that do not merge"
                 )
             dims = _collapse(x.shape, x.stride())
-            table[i] = [x.data_ptr(), *_dims_row(dims)[:7]]
+            table[i] = [x.data_ptr(), *_dims_row(dims)[:7], x.numel()]
             self.contiguous[i] = mode == CONTIG
             self.itemsize[i] = x.element_size()
         self._targets = torch.from_numpy(table).to(self.device)
+        self._faults = torch.zeros(2, dtype=torch.int64, device=self.device)
+
+    def faults(self) -> tuple[int, int]:
+        """Elements of sparse frames not written since the last call because their indices
+        fell outside their regions, and the global route of one of them (-1: none). Waits
+        for the launches queued on the current stream (call it once the sync's launches
+        ran)."""
+        count, route = self._faults.tolist()
+        if count:
+            self._faults.zero_()
+        return count, route - 1
 
     def warm(self) -> None:
         """Compile the apply kernel's variants for these regions now (see
@@ -619,7 +640,7 @@ class TargetTable:
         with _device_context(self.device):
             for size, contig in kinds:
                 _apply_kernel.warmup(
-                    entries, 2, 1, self._targets, buf, T=_INT[size], CONTIGUOUS=contig,
+                    entries, 2, 1, self._targets, buf, self._faults, T=_INT[size], CONTIGUOUS=contig,
                     BLOCK=self.block, num_warps=4, grid=(1,),
                 )  # fmt: skip
 
@@ -664,5 +685,6 @@ class TargetTable:
                 n_ent = b - a
                 _apply_kernel[(n,)](
                     entries[a:] if a else entries, n_ent, max(n_ent - 1, 0).bit_length(),
-                    self._targets, buf, T=_INT[size], CONTIGUOUS=contig, BLOCK=self.block, num_warps=4,
+                    self._targets, buf, self._faults, T=_INT[size], CONTIGUOUS=contig,
+                    BLOCK=self.block, num_warps=4,
                 )  # fmt: skip

@@ -1256,6 +1256,8 @@ class DeltaDecoder:
                 offset=np.array([c.offset for c in op.copies], np.int64),
             )
             regions.extend(here)
+        self._ops = list(ops)
+        self._firsts = np.array([self._routes[op.bucket].first for op in ops], np.int64)
         devices = {r.device for r in regions}
         device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         kernels = _kernels(impl, device, name)
@@ -1487,7 +1489,7 @@ class DeltaDecoder:
                 f"is a delta against version {d.base[k]}, but this reader holds {held}: the "
                 "writer must send it dense (it does for a reader that missed a sync)",
             )
-        if self._table is None and buf.device.type == "cpu":
+        if self._table is None:
             self._check_indices(parts, buf, d)
         if self._table is not None:
             self._apply(buf, d)
@@ -1511,27 +1513,62 @@ class DeltaDecoder:
         self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor, d: _Directories
     ) -> None:
         """Raise, before anything is applied, for a sparse frame whose indices fall outside
-        its route: the torch ops on frames in host memory (a pass over their indices, ~4
-        bytes per changed element; on a GPU it would cost a wait per group, and the apply
-        kernel does not check them yet)."""
-        host = buf.numpy()  # the same bytes (numpy: no torch op per route)
-        for k, (op, at) in enumerate(parts):
+        its route (torch path; the apply kernel skips and counts such elements instead, see
+        :meth:`check`): with frames in host memory a numpy pass over their indices, ~4 bytes
+        per changed element; on a GPU two reductions per frame and one wait per group, where
+        an index out of range would otherwise stop the device."""
+        frames = []  # (bucket's place in parts, route in the bucket, row in the span, bytes)
+        for k, (_, at) in enumerate(parts):
             mine = d.span.routes_of(k)
             for i in np.flatnonzero(d.sparse[mine] & (d.count[mine] > 0)).tolist():
                 j = mine.start + i
-                n, size, off = int(d.count[j]), int(d.ix[j]), at + int(d.offset[j])
-                idx = host[off : off + n * size].view("<i4" if size == 4 else "<i8")
-                units = int(d.span.nbytes[j]) // int(d.unit[j])
-                lo, hi = int(idx.min()), int(idx.max())
-                if lo < 0 or hi >= units:
-                    c = op.copies[i]
-                    raise self._error(
-                        op,
-                        f"sparse frame of {c.tensor} has index {lo if lo < 0 else hi} for "
-                        f"{units} units of {int(d.unit[j])} bytes in its route: the frame was "
-                        "damaged in transit or the two sides disagree on the plan; nothing "
-                        "of this group was applied",
-                    )
+                off = at + int(d.offset[j])
+                frames.append((k, i, j, off, off + int(d.count[j]) * int(d.ix[j])))
+        if not frames:
+            return
+        dtypes = {4: torch.int32, 8: torch.int64}
+        if buf.device.type == "cpu":
+            host = buf.numpy()  # the same bytes (numpy: no torch op per frame)
+            idx = [host[a:b].view("<i4" if d.ix[j] == 4 else "<i8") for _, _, j, a, b in frames]
+            ends = np.array([(x.min(), x.max()) for x in idx], np.int64)
+        else:
+            idx = [buf[a:b].view(dtypes[int(d.ix[j])]).long() for _, _, j, a, b in frames]
+            ends = torch.stack([torch.stack(torch.aminmax(x)) for x in idx]).cpu().numpy()
+        units = np.array([d.span.nbytes[j] // d.unit[j] for _, _, j, _, _ in frames], np.int64)
+        bad = np.flatnonzero((ends[:, 0] < 0) | (ends[:, 1] >= units))
+        if len(bad):
+            f = int(bad[0])
+            k, i, j = frames[f][:3]
+            lo, hi = (int(x) for x in ends[f])
+            op = parts[k][0]
+            raise self._error(
+                op,
+                f"sparse frame of {op.copies[i].tensor} has index {lo if lo < 0 else hi} for "
+                f"{int(units[f])} units of {int(d.unit[j])} bytes in its route: the frame was "
+                "damaged in transit or the two sides disagree on the plan; nothing of this "
+                "group was applied",
+            )
+
+    def check(self) -> None:
+        """Raise if the apply kernel refused elements of this sync's sparse frames (indices
+        outside their routes: damaged frames) once the launches queued on the current stream
+        ran; a reader calls it once per sync, before acknowledging. The rest of the sync
+        was applied: the live tensors hold part of it, and the next sync must be dense."""
+        if self._table is None:
+            return
+        count, route = self._table.faults()
+        if not count:
+            return
+        k = int(np.searchsorted(self._firsts, route, side="right")) - 1
+        op = self._ops[k]
+        tensor = op.copies[route - self._firsts[k]].tensor
+        raise self._error(
+            op,
+            f"{count} elements of sparse frames (of {tensor} among others) had indices outside "
+            "their routes and were not written: frames were damaged in transit or the two "
+            "sides disagree on the plan; the live tensors hold part of this sync, the next "
+            "one must be dense",
+        )
 
     def _apply(self, buf: torch.Tensor, d: _Directories) -> None:
         """Every frame of the buckets in one launch (per element size and addressing mode)."""

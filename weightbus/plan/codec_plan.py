@@ -508,6 +508,13 @@ class ReaderCodec:
             raise RuntimeError(f"reader {self.name!r}: begin(version) before unpack")
         self.decoder.decode(op, buf, version=self._syncing, held=self.version)
 
+    def check(self) -> None:
+        """Deltas: raise if frames of this sync were refused while applied on the device
+        (indices outside their routes), once the launches queued on the current stream ran:
+        call it before acknowledging the sync."""
+        if self.decoder is not None:
+            self.decoder.check()
+
     def end(self, version: int) -> None:
         """The sync of ``version`` is committed: the live tensors hold it."""
         self.version = int(version)
@@ -608,6 +615,8 @@ def run_sync(
     for w in writers:
         w.end()
     present = [i for i in range(len(readers)) if i not in absent]
+    for i in present:
+        readers[i].check()
     for i in present:
         readers[i].end(version)
     for w in writers:
