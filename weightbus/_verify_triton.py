@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weightbus.plan._copy_triton import blocks, tile_at, tiles, words_at
+from weightbus.plan._copy_triton import blocks, tiles
 
 _BR, _BC = 32, 256  # words per tile: rows, columns (_BC <= 256 keeps narrow row sums in int32)
 # row tiles per program: a route's programs all add into its two sums, and atomics on one
@@ -54,14 +54,23 @@ def _sums_kernel(
     BC: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    k, tr, tc = tile_at(tiles_ptr, tl.program_id(0).to(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    k = tl.load(tiles_ptr + pid * 3).to(tl.int64)
+    tr = tl.load(tiles_ptr + pid * 3 + 1).to(tl.int64)
+    tc = tl.load(tiles_ptr + pid * 3 + 2).to(tl.int64)
     row = pieces_ptr + k * 6
-    ptr = words_at(tl.load(row), KIND)
+    addr = tl.load(row)
     s0 = tl.load(row + 1)
     h = tl.load(row + 2)
     w = tl.load(row + 3)
     first = tl.load(row + 4)
     route = tl.load(row + 5)
+    if KIND == 0:
+        ptr = addr.to(tl.pointer_type(tl.uint8))
+    elif KIND == 1:
+        ptr = addr.to(tl.pointer_type(tl.int16))
+    else:
+        ptr = addr.to(tl.pointer_type(tl.int32))
     if ALIGNED:  # see _aligned: lets the loads take 16 bytes at once
         ptr = tl.multiple_of(ptr, 16)
         s0 = tl.multiple_of(s0, 16)

@@ -32,29 +32,6 @@ _ROW = 4096  # words per row when a long vector is cut into rows
 
 
 @triton.jit
-def tile_at(tiles_ptr, pid):
-    """Program ``pid``'s tile of a tiles table (:func:`tiles`): its block (or piece), and its
-    row and column tile indices."""
-    at = tiles_ptr + pid * 3
-    return tl.load(at).to(tl.int64), tl.load(at + 1).to(tl.int64), tl.load(at + 2).to(tl.int64)
-
-
-@triton.jit
-def words_at(addr, KIND: tl.constexpr):
-    """Address ``addr`` as a pointer to words of kind ``KIND`` (0, 1, 2, 3: 1, 2, 4, 8
-    bytes)."""
-    if KIND == 0:
-        ptr = addr.to(tl.pointer_type(tl.uint8))
-    elif KIND == 1:
-        ptr = addr.to(tl.pointer_type(tl.int16))
-    elif KIND == 2:
-        ptr = addr.to(tl.pointer_type(tl.int32))
-    else:
-        ptr = addr.to(tl.pointer_type(tl.int64))
-    return ptr
-
-
-@triton.jit
 def _copy_kernel(
     tiles_ptr,
     blocks_ptr,
@@ -64,14 +41,29 @@ def _copy_kernel(
     BC: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    k, tr, tc = tile_at(tiles_ptr, tl.program_id(0).to(tl.int64))
+    pid = tl.program_id(0).to(tl.int64)
+    k = tl.load(tiles_ptr + pid * 3).to(tl.int64)
+    tr = tl.load(tiles_ptr + pid * 3 + 1).to(tl.int64)
+    tc = tl.load(tiles_ptr + pid * 3 + 2).to(tl.int64)
     row = blocks_ptr + k * 6
-    src = words_at(tl.load(row), KIND)
+    src_addr = tl.load(row)
     s0 = tl.load(row + 1)
-    dst = words_at(tl.load(row + 2), KIND)
+    dst_addr = tl.load(row + 2)
     d0 = tl.load(row + 3)
     h = tl.load(row + 4)
     w = tl.load(row + 5)
+    if KIND == 0:
+        src = src_addr.to(tl.pointer_type(tl.uint8))
+        dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    elif KIND == 1:
+        src = src_addr.to(tl.pointer_type(tl.int16))
+        dst = dst_addr.to(tl.pointer_type(tl.int16))
+    elif KIND == 2:
+        src = src_addr.to(tl.pointer_type(tl.int32))
+        dst = dst_addr.to(tl.pointer_type(tl.int32))
+    else:
+        src = src_addr.to(tl.pointer_type(tl.int64))
+        dst = dst_addr.to(tl.pointer_type(tl.int64))
     if ALIGNED:  # see _aligned: 16-byte loads and stores
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
