@@ -619,6 +619,11 @@ class TargetTable:
         self._targets = torch.from_numpy(table).to(self.device)
         self._faults = torch.zeros(2, dtype=torch.int64, device=self.device)
 
+    def clear_faults(self) -> None:
+        """Forget the faults counted so far (queued on the current stream, before the
+        launches of a new sync)."""
+        self._faults.zero_()
+
     def faults(self) -> tuple[int, int]:
         """Elements of sparse frames not written since the last call because their indices
         fell outside their regions, and the global route of one of them (-1: none). Waits

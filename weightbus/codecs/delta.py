@@ -1549,6 +1549,12 @@ class DeltaDecoder:
                 "group was applied",
             )
 
+    def begin(self) -> None:
+        """A sync starts: elements refused in an earlier sync (one that failed before its
+        :meth:`check`) are not this one's."""
+        if self._table is not None:
+            self._table.clear_faults()
+
     def check(self) -> None:
         """Raise if the apply kernel refused elements of this sync's sparse frames (indices
         outside their routes: damaged frames) once the launches queued on the current stream

@@ -497,6 +497,8 @@ class ReaderCodec:
 
     def begin(self, version: int) -> None:
         self._syncing = int(version)
+        if self.decoder is not None:
+            self.decoder.begin()
 
     @torch.no_grad()
     def unpack(self, op: BucketOp, buf: torch.Tensor) -> None:
