@@ -645,8 +645,8 @@ class TargetTable:
         with _device_context(self.device):
             for size, contig in kinds:
                 _apply_kernel.warmup(
-                    entries, 2, 1, self._targets, buf, self._faults, T=_INT[size], CONTIGUOUS=contig,
-                    BLOCK=self.block, num_warps=4, grid=(1,),
+                    entries, 2, 1, self._targets, buf, self._faults, T=_INT[size],
+                    CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,),
                 )  # fmt: skip
 
     def apply(

@@ -1275,6 +1275,8 @@ class DeltaDecoder:
         self._spans: dict[tuple[int, ...], _Span] = {}
         self._read: dict[int, _Directories] = {}
         """Directories taken, by their first bucket, until applied."""
+        self._unchecked = False
+        """Whether apply kernels ran since the last :meth:`check` (their faults unread)."""
 
     def _error(self, op: BucketOp, what: str) -> WeightbusError:
         tensors = ", ".join(sorted({c.tensor for c in op.copies})[:4])
@@ -1489,11 +1491,10 @@ class DeltaDecoder:
                 f"is a delta against version {d.base[k]}, but this reader holds {held}: the "
                 "writer must send it dense (it does for a reader that missed a sync)",
             )
-        if self._table is None:
-            self._check_indices(parts, buf, d)
         if self._table is not None:
             self._apply(buf, d)
         else:
+            self._check_indices(parts, buf, d)
             for k, (op, at) in enumerate(parts):
                 self._apply_torch(op, buf[at:], d, span.routes_of(k))
         for k in np.flatnonzero(d.flags & FLAG_CHECKSUM).tolist():
@@ -1526,13 +1527,12 @@ class DeltaDecoder:
                 frames.append((k, i, j, off, off + int(d.count[j]) * int(d.ix[j])))
         if not frames:
             return
-        dtypes = {4: torch.int32, 8: torch.int64}
         if buf.device.type == "cpu":
             host = buf.numpy()  # the same bytes (numpy: no torch op per frame)
             idx = [host[a:b].view("<i4" if d.ix[j] == 4 else "<i8") for _, _, j, a, b in frames]
             ends = np.array([(x.min(), x.max()) for x in idx], np.int64)
         else:
-            idx = [buf[a:b].view(dtypes[int(d.ix[j])]).long() for _, _, j, a, b in frames]
+            idx = [buf[a:b].view(_INT_OF_SIZE[int(d.ix[j])]).long() for _, _, j, a, b in frames]
             ends = torch.stack([torch.stack(torch.aminmax(x)) for x in idx]).cpu().numpy()
         units = np.array([d.span.nbytes[j] // d.unit[j] for _, _, j, _, _ in frames], np.int64)
         bad = np.flatnonzero((ends[:, 0] < 0) | (ends[:, 1] >= units))
@@ -1552,16 +1552,18 @@ class DeltaDecoder:
     def begin(self) -> None:
         """A sync starts: elements refused in an earlier sync (one that failed before its
         :meth:`check`) are not this one's."""
-        if self._table is not None:
+        if self._unchecked:
             self._table.clear_faults()
+            self._unchecked = False
 
     def check(self) -> None:
         """Raise if the apply kernel refused elements of this sync's sparse frames (indices
         outside their routes: damaged frames) once the launches queued on the current stream
         ran; a reader calls it once per sync, before acknowledging. The rest of the sync
         was applied: the live tensors hold part of it, and the next sync must be dense."""
-        if self._table is None:
-            return
+        if not self._unchecked:
+            return  # nothing launched since the last check
+        self._unchecked = False
         count, route = self._table.faults()
         if not count:
             return
@@ -1579,6 +1581,7 @@ class DeltaDecoder:
     def _apply(self, buf: torch.Tensor, d: _Directories) -> None:
         """Every frame of the buckets in one launch (per element size and addressing mode)."""
         assert self._table is not None
+        self._unchecked = True  # the launch's faults: read by check()
         span, sp = d.span, d.sparse
         at = np.array(d.at, np.int64)[span.bucket]
         ratio = np.where(sp, d.unit // span.isz, 1)
