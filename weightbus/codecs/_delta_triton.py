@@ -26,9 +26,10 @@ Writer, per window (:class:`WindowTable`):
 A window whose readers all get dense bytes needs no counts: one pass writes the changed
 elements into the shadow.
 
-Reader, per group of buckets (:class:`TargetTable`): one launch per element size and
-addressing mode writes every dense frame and scatters every sparse frame of the buckets into
-the live regions. An element whose index falls outside its region (a damaged frame) is not
+Reader, per group of buckets (:class:`TargetTable`): one launch per element size copies the
+dense frames that go to contiguous regions (16 bytes a load where aligned), and one per element
+size and addressing mode writes the other dense frames and scatters every sparse frame of the
+buckets into the live regions. An element whose index falls outside its region (a damaged frame) is not
 written: it is counted, with its route, in the table's faults, which the reader reads once
 per sync (:meth:`TargetTable.faults`, after its stream ran) and refuses the sync for.
 """
@@ -60,6 +61,8 @@ EMIT_STEPS = (4, 4)
 """Tiles per program and warps of the emit pass, step by step."""
 EMIT_LANES = (1, 4)
 """Tiles per program (one) and warps of the emit pass, a lane per element."""
+COPY_IN = (8, 4)
+"""Tiles per program and warps of a reader's copies of dense frames into contiguous regions."""
 
 # addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
 # least half a tile); tiles over its flat element order (narrow rows, any strides)
@@ -385,6 +388,48 @@ def _apply_kernel(
         tl.atomic_max(faults_ptr + 1, route + 1)
 
 
+@triton.jit(do_not_specialize=["n", "steps"])
+def _copy_in_kernel(
+    entries_ptr,
+    n,
+    steps,
+    targets_ptr,
+    buf_ptr,
+    T: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Dense frames into contiguous regions: a copy of ``SUB`` x ``BLOCK`` elements a program
+    (entries as for :func:`_apply_kernel`, their tiles of that many). ``ALIGNED``: the
+    frames' values, the regions and the element counts are multiples of 16 bytes (``VEC``
+    elements), so that loads and stores move 16 bytes each; the general kernel, which finds
+    each element's place at run time, moves one element each (2 ms per GiB of bf16 on an
+    H200, where this takes ~0.5)."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0
+    hi = lo + n
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        ok = tl.load(entries_ptr + mid * _EF) <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    e = entries_ptr + lo * _EF
+    nelem = tl.load(e + 4)
+    src = (buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T))
+    dst = tl.load(targets_ptr + tl.load(e + 1) * _TF).to(tl.pointer_type(T))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+        nelem = tl.multiple_of(nelem, VEC)
+    start = (pid - tl.load(e)) * (SUB * BLOCK)
+    for s in range(SUB):
+        k = start + s * BLOCK + tl.arange(0, BLOCK)
+        m = k < nelem
+        tl.store(dst + k, tl.load(src + k, mask=m), mask=m)
+
+
 # ---------------------------------------------------------------------------------------------
 # host side: tables built at connect, launches
 # ---------------------------------------------------------------------------------------------
@@ -616,6 +661,7 @@ class TargetTable:
             table[i] = [x.data_ptr(), *_dims_row(dims)[:7], x.numel()]
             self.contiguous[i] = mode == CONTIG
             self.itemsize[i] = x.element_size()
+        self.address = table[: len(regions), 0].copy()
         self._targets = torch.from_numpy(table).to(self.device)
         self._faults = torch.zeros(2, dtype=torch.int64, device=self.device)
 
@@ -642,12 +688,18 @@ class TargetTable:
         entries = torch.empty(1, dtype=torch.int64, device=self.device)
         buf = torch.empty(1, dtype=torch.uint8, device=self.device)
         kinds = sorted(set(zip(self.itemsize.tolist(), self.contiguous.tolist(), strict=True)))
+        sub, warps = COPY_IN
         with _device_context(self.device):
             for size, contig in kinds:
                 _apply_kernel.warmup(
                     entries, 2, 1, self._targets, buf, self._faults, T=_INT[size],
                     CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,),
                 )  # fmt: skip
+                for aligned in (True, False) if contig else ():
+                    _copy_in_kernel.warmup(
+                        entries, 2, 1, self._targets, buf, T=_INT[size], ALIGNED=aligned,
+                        VEC=16 // size, BLOCK=self.block, SUB=sub, num_warps=warps, grid=(1,),
+                    )  # fmt: skip
 
     def apply(
         self,
@@ -671,25 +723,43 @@ class TargetTable:
             return
         isz = self.itemsize[route]
         contiguous = self.contiguous[route]
-        order = np.lexsort((contiguous, isz))  # groups of one launch; stable within
-        tiles = -(-nelem // self.block)
+        # dense frames into contiguous regions are plain copies (16 bytes at a time where
+        # aligned); the rest takes the general kernel (sparse frames, strided regions)
+        copy = (ix == 0) & contiguous
+        aligned = (
+            copy
+            & (self.address[route] % 16 == 0)
+            & ((buf.data_ptr() + values) % 16 == 0)
+            & (nelem * isz % 16 == 0)
+        )
+        flag = np.where(copy, aligned, contiguous)
+        order = np.lexsort((flag, isz, ~copy))  # groups of one launch; stable within
+        sub, warps = COPY_IN
+        tiles = -(-nelem // np.where(copy, self.block * sub, self.block))
         ent = np.zeros((len(route), _EFH), np.int64)
         ent[:, 1:] = np.stack([route, values, index, nelem, ix, lr, ix > 0], 1)
         ent = ent[order]
-        tiles, isz, contiguous = tiles[order], isz[order], contiguous[order]
-        cuts = np.flatnonzero((np.diff(isz) != 0) | (np.diff(contiguous) != 0)) + 1
-        bounds = [0, *cuts.tolist(), len(ent)]
+        tiles, isz, copy, flag = tiles[order], isz[order], copy[order], flag[order]
+        cuts = np.flatnonzero((np.diff(isz) != 0) | (np.diff(copy) != 0) | (np.diff(flag) != 0))
+        bounds = [0, *(cuts + 1).tolist(), len(ent)]
         launches = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             t = tiles[a:b]
             ent[a:b, 0] = np.cumsum(t) - t
-            launches.append((a, b, int(t.sum()), int(isz[a]), bool(contiguous[a])))
+            launches.append((a, b, int(t.sum()), int(isz[a]), bool(copy[a]), bool(flag[a])))
         entries = _on(ent, self.device)
         with _device_context(self.device):
-            for a, b, n, size, contig in launches:
+            for a, b, n, size, is_copy, f in launches:
                 n_ent = b - a
-                _apply_kernel[(n,)](
-                    entries[a:] if a else entries, n_ent, max(n_ent - 1, 0).bit_length(),
-                    self._targets, buf, self._faults, T=_INT[size], CONTIGUOUS=contig,
-                    BLOCK=self.block, num_warps=4,
-                )  # fmt: skip
+                at = entries[a:] if a else entries
+                steps = max(n_ent - 1, 0).bit_length()
+                if is_copy:
+                    _copy_in_kernel[(n,)](
+                        at, n_ent, steps, self._targets, buf, T=_INT[size], ALIGNED=f,
+                        VEC=16 // size, BLOCK=self.block, SUB=sub, num_warps=warps,
+                    )  # fmt: skip
+                else:
+                    _apply_kernel[(n,)](
+                        at, n_ent, steps, self._targets, buf, self._faults, T=_INT[size],
+                        CONTIGUOUS=f, BLOCK=self.block, num_warps=4,
+                    )  # fmt: skip
