@@ -594,6 +594,42 @@ def test_windows_that_went_dense_are_sent_dense_until_they_would_not():
     assert moved[5] - unchanged_sync_bytes(rcs) < 0.25 * dense_bytes
 
 
+def test_the_next_groups_directories_go_ahead_when_ready_without_the_device(monkeypatch):
+    """A group's directories announce (FLAG_AHEAD) that the next group's to the same reader
+    travel before this group's buckets when they are ready without waiting for the device:
+    analyzed in the same pass, or of a window sent dense (first sync, or a window whose
+    routes all went dense last time). run_sync checks that the reader expects what the writer
+    sends and that the directories sent ahead equal the group's."""
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    went: list = []
+    real = WriterCodec.ahead
+
+    def ahead(self, op):
+        nxt = real(self, op)
+        went.append((self.encoder, op.bucket, nxt is not None))
+        return nxt
+
+    monkeypatch.setattr(WriterCodec, "ahead", ahead)
+    g = torch.Generator().manual_seed(4)
+    for step, fraction in ((1, 0.0), (2, 0.6), (3, 0.6), (4, 0.01), (5, 0.01)):
+        if fraction:
+            change(canon, g, fraction)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, canon, t)
+        went.clear()
+        run_sync(plan, wcs, rcs, step)
+        assert_exact(rs, got, canon)
+        following = [(enc, b, a) for enc, b, a in went if b in enc._next]
+        assert following and not any(a for enc, b, a in went if b not in enc._next)
+        same_pass = [enc._window_of[b] == enc._window_of[enc._next[b]] for enc, b, _ in following]
+        assert any(same_pass) and not all(same_pass)  # (so both cases are seen)
+        if step in (1, 3, 4):  # every window sent dense: every next group goes ahead
+            assert all(a for _, _, a in following), step
+        else:  # compared: the next group goes ahead only from its own pass
+            assert [a for _, _, a in following] == same_pass, step
+
+
 def test_signed_zeros_and_nan_payloads_travel():
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=0))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)

@@ -36,6 +36,23 @@ DENSE_AT = 9  # reader-1 loses its weights before this sync and asks for every b
 UNCHANGED_AT = 4  # nothing changes before this sync: groups of directories alone
 FP8_STEPS = 3
 N_WRITERS = 2
+# deltas: a model large enough that each writer sends each reader several groups (windows of
+# one 1 MiB bucket), so that a group's directories go before the previous group's buckets
+# where the writer has them without waiting for its device (every group in a dense sync,
+# those analyzed in one pass in the others)
+DELTA_MODEL = {
+    "model_type": "llama",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+DELTA_BUCKET = 1 << 20
+DELTA_WINDOW = 1 << 20
 # small FP8 blocks, so the tiny model has many; FSDP over 2 cuts k_proj and v_proj (32 rows)
 # inside their first block row, and the fused qkv / gate_up components start on block edges
 BLOCK = 32
@@ -61,7 +78,15 @@ def _step(canon: dict[str, torch.Tensor], version: int) -> None:
         flat[idx] = torch.randn(n, generator=g)
 
 
-def _configs(port: int, job: str, n_r: int, n_w: int = N_WRITERS, **sync_fields):
+def _delta_config():
+    from weightbus.codecs import DeltaConfig
+
+    return DeltaConfig(checksum_every=5, window_bytes=DELTA_WINDOW)
+
+
+def _configs(
+    port: int, job: str, n_r: int, n_w: int = N_WRITERS, bucket_bytes: int = 1 << 20, **sync_fields
+):
     from weightbus import ControlConfig, SyncConfig
 
     control = ControlConfig(
@@ -76,7 +101,7 @@ def _configs(port: int, job: str, n_r: int, n_w: int = N_WRITERS, **sync_fields)
     )
     sync = SyncConfig(
         cast={"float32": "bfloat16"},
-        bucket_bytes=1 << 20,
+        bucket_bytes=bucket_bytes,
         staging_buffers=2,
         direct_bytes=4096,
         sync_timeout=timedelta(seconds=30),
@@ -94,7 +119,7 @@ def _writer(rank: int, port: int, q) -> None:
         from torch.distributed.tensor import Shard, distribute_tensor
 
         from weightbus import Participant, Writer
-        from weightbus.codecs import DeltaConfig, Fp8Config
+        from weightbus.codecs import Fp8Config
         from weightbus.codecs.fp8 import all_reduce_max
         from weightbus.layouts.dtensor import bind_dtensors
         from weightbus.layouts.families import model_spec
@@ -105,7 +130,7 @@ def _writer(rank: int, port: int, q) -> None:
         store = dist.PrefixStore("trainer", dist.TCPStore("127.0.0.1", port, is_master=False))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=N_WRITERS)
         mesh = init_device_mesh("cpu", (N_WRITERS,))
-        model = model_spec("tiny-llama")
+        model = model_spec(DELTA_MODEL)
         me = Participant(role="writer", rank=rank)
 
         def bind(canon):
@@ -115,7 +140,7 @@ def _writer(rank: int, port: int, q) -> None:
 
         canon = _canonical(model, 0)
         bound = bind(canon)
-        control, sync = _configs(port, "delta", 2, delta=DeltaConfig(checksum_every=5))
+        control, sync = _configs(port, "delta", 2, delta=_delta_config(), bucket_bytes=DELTA_BUCKET)
         writer = Writer(bound, control, sync)
         writer.connect()
         sent = []
@@ -126,6 +151,7 @@ def _writer(rank: int, port: int, q) -> None:
         writer.close()
         q.put(("delta", f"writer-{rank}", "ok", sent))
 
+        model = model_spec("tiny-llama")
         bound = bind(_canonical(model, 0))
         control, sync = _configs(port, "fp8", 1, fp8=Fp8Config(block=BLOCK))
         writer = Writer(bound, control, sync, amax_reduce=all_reduce_max())
@@ -155,20 +181,22 @@ def _reader(rank: int, port: int, q) -> None:
 def _delta_reader(rank: int, port: int, q) -> None:
     """Checks every sync bit for bit, and how many bytes travelled."""
     from weightbus import BoundLayout, Participant, Reader
-    from weightbus.codecs import DeltaConfig
+    from weightbus.codecs.delta import directory_bytes
     from weightbus.layouts.families import model_spec
     from weightbus.layouts.fused import engine_layout
     from weightbus.plan import allocate, fill_from_canonical, poison
 
-    model = model_spec("tiny-llama")
+    model = model_spec(DELTA_MODEL)
     layout = engine_layout(
         model, Participant(role="reader", rank=rank), tp=2, tp_rank=rank, dtype="bfloat16"
     )
     tensors = allocate(layout)  # poisoned
-    control, sync = _configs(port, "delta", 2, delta=DeltaConfig(checksum_every=5))
+    control, sync = _configs(port, "delta", 2, delta=_delta_config(), bucket_bytes=DELTA_BUCKET)
     reader = Reader(BoundLayout(layout=layout, tensors=tensors), control, sync)
     reader.connect()
     payload = sum(c.nbytes for op in reader.ops for c in op.copies)
+    groups = reader.codec.group_starts()
+    directories = sum(directory_bytes(op) for op in reader.ops)
     canon = _canonical(model, 0)
     bad, got = [], []
     for v in range(1, STEPS + 1):
@@ -185,7 +213,14 @@ def _delta_reader(rank: int, port: int, q) -> None:
             if not torch.equal(tensors[k].view(torch.uint8), want[k].view(torch.uint8)):
                 bad.append((result.version, k))
     reader.close()
-    q.put(("delta", f"reader-{rank}", "ok" if not bad else "wrong", (got, payload, bad[:5])))
+    q.put(
+        (
+            "delta",
+            f"reader-{rank}",
+            "ok" if not bad else "wrong",
+            (got, payload, bad[:5], len(groups), directories),
+        )
+    )
 
 
 def _fp8_reader(rank: int, port: int, q) -> None:
@@ -276,15 +311,15 @@ def _job(jobs: dict, job: str, names: list[str]) -> dict:
 @pytest.mark.timeout(200)
 def test_deltas_bit_exact_over_22_syncs_with_resharding_and_a_dense_request(jobs):
     got = _job(jobs, "delta", ["writer-0", "writer-1", "reader-0", "reader-1"])
-    got0, payload0, _ = got["reader-0"]
-    got1, payload1, _ = got["reader-1"]
+    got0, payload0, _, groups0, dirs0 = got["reader-0"]
+    got1, payload1, _, groups1, dirs1 = got["reader-1"]
+    assert groups0 >= 2 * N_WRITERS and groups1 >= 2 * N_WRITERS  # several from each writer
     # the first sync is dense; then about 3% of the bytes travel (an index and a value per
     # changed element), except in the sync reader-1 asked to be dense: the others stay sparse
     assert got0[0] >= payload0 and got1[0] >= payload1, (got0, got1)
     assert max(got0[1:]) < 0.2 * payload0, got0
     # nothing changed: the directories alone travelled (no group sent its frames' message)
-    assert 0 < got0[UNCHANGED_AT - 1] < 0.01 * payload0, got0
-    assert 0 < got1[UNCHANGED_AT - 1] < 0.01 * payload1, got1
+    assert got0[UNCHANGED_AT - 1] == dirs0 and got1[UNCHANGED_AT - 1] == dirs1, (got0, got1)
     assert max(got1[1 : DENSE_AT - 1] + got1[DENSE_AT:]) < 0.2 * payload1, got1
     assert got1[DENSE_AT - 1] >= payload1, got1
     sent = [a + b for a, b in zip(got["writer-0"], got["writer-1"], strict=True)]

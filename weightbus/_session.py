@@ -9,10 +9,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 from weightbus import metrics as _metrics
-from weightbus.codecs.delta import DeltaConfig
+from weightbus.codecs.delta import DeltaConfig, group_aligned
 from weightbus.codecs.fp8 import Fp8Config
 from weightbus.control import status as _status
 from weightbus.control.store import MEMBERS, ControlConfig, ControlPlane
@@ -198,6 +199,8 @@ class _Session:
         self.codec = None
         """The codecs' state (WriterCodec / ReaderCodec), or None when none applies here."""
         self._staging: list[torch.Tensor] = []
+        self._directory_at: dict[int, torch.Tensor] = {}
+        """Deltas: per group (its first bucket), where its directories travel from or land."""
         self._device = torch.device("cpu")
         self._seq = 0  # this epoch's syncs: the number in the next sync's topics
         self.syncs = 0
@@ -318,10 +321,21 @@ class _Session:
             n = min(self.config.staging_buffers, max(2, peers), len(staged))
         largest = max(staged, default=0)
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
+        # deltas: each group's directories (the first of its two messages) have a place of
+        # their own, so that they may travel before the previous group's buckets have left
+        # a staging buffer
+        starts = self.codec.group_starts() if self.codec is not None else []
+        room = [group_aligned(g.directories) for _, g in starts]
+        area = torch.empty(sum(room), dtype=torch.uint8, device=device)
+        at = np.cumsum(room) - room
+        self._directory_at = {
+            op.bucket: area[a : a + g.directories]
+            for (op, g), a in zip(starts, at.tolist(), strict=True)
+        }
         self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
         # deltas: plain groups are sent from the writer's shadow
         shadow = self.codec.send_buffers() if self.role == "writer" and self.codec else []
-        self.transport.register(self._staging + shadow)
+        self.transport.register(self._staging + ([area] if starts else []) + shadow)
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(
             Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)

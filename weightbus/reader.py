@@ -361,62 +361,83 @@ class Reader(_Session):
     def _receive_coded(self, version: int, deadline: _Deadline, phases: dict[str, float]) -> int:
         """Receive and decode every bucket of a delta sync; return the bytes received.
 
-        A writer sends a window's buckets to this reader together, as two messages at the
-        first of them: their directories (whose size is fixed), then the buckets, whose size
-        the directories give. Messages with one writer must be posted in the order it sends
-        them (NCCL matches by order alone), so a group's second receive is posted before the
-        writer's next group (when its first bucket comes up); groups from other writers
-        overlap meanwhile.
+        A writer sends a window's buckets to this reader together, as two messages: their
+        directories (whose size is fixed), then the buckets, whose size the directories give.
+        A group's directories travel after the previous group's buckets or, when that group's
+        directories say so, before them: the receive of a group's buckets is then posted
+        while the previous group's travel, with no wait in between. Messages with one writer
+        are posted in the order it sends them (NCCL matches by order alone); groups from other
+        writers overlap meanwhile.
         """
         codec = self.codec
         assert codec is not None
         codec.begin(version)
         free = deque(self._staging)
         pending: deque[_Group] = deque()  # oldest first
-        open_group: dict[int, _Group] = {}  # per writer: the group whose buckets are not posted
+        heads: dict[int, Handle] = {}  # per group (first bucket): its directories' receive
         received = 0
         for op in self.ops:
             spec = codec.group_of(op)
             if spec is None:
                 continue  # it comes with its group
-            previous = open_group.pop(op.peer_global, None)
-            if previous is not None:
-                received += self._post_group(previous, deadline, phases)
+            if op.bucket not in heads:  # the first group from its writer
+                heads[op.bucket] = self._recv_directories(op)
             if not free:
                 group = pending.popleft()
-                received += self._decode_group(group, deadline, phases)
+                self._decode_group(group, deadline, phases)
                 free.append(group.buf)
-            buf = free.popleft()
-            dirs = buf[spec.directories_at : spec.directories_at + spec.directories]
-            handle = self.transport.recv(op.peer_global, dirs, op.bucket)
-            group = _Group(spec, buf, dirs, handle)
+            group = _Group(spec, free.popleft())
+            received += self._post_group(group, heads.pop(op.bucket), heads, deadline, phases)
             pending.append(group)
-            open_group[op.peer_global] = group
         while pending:
-            received += self._decode_group(pending.popleft(), deadline, phases)
+            self._decode_group(pending.popleft(), deadline, phases)
         return received
 
-    def _post_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> int:
-        """Wait for a group's directories, read them and post the receive of its buckets;
-        return the group's bytes."""
-        if group.size:
-            return 0
-        t = time.perf_counter()
-        self.transport.wait([group.head], deadline.left())
-        phases["transfer"] += time.perf_counter() - t
-        raw = group.dirs.cpu().numpy().tobytes()  # one copy for the window
-        group.parts, n = self.codec.take_group(group.spec, raw, group.buf)
-        first = group.spec.ops[0]
-        tag = rest_tag(first, len(self.plan.buckets))
-        if n:  # (no frames, nothing changed: the writer sends no second message)
-            group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
-        group.size = len(raw) + n
-        return group.size
+    def _recv_directories(self, first: BucketOp) -> Handle:
+        """Post the receive of the directories of the group bucket ``first`` starts."""
+        assert self.transport is not None
+        return self.transport.recv(
+            first.peer_global, self._directory_at[first.bucket], first.bucket
+        )
 
-    def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> int:
-        """Wait for a whole group and apply it to the live tensors; return the bytes not yet
-        counted."""
-        got = self._post_group(group, deadline, phases)
+    def _post_group(
+        self,
+        group: _Group,
+        head: Handle,
+        heads: dict[int, Handle],
+        deadline: _Deadline,
+        phases: dict[str, float],
+    ) -> int:
+        """Wait for a group's directories (``head``), read them, post the receive of its
+        buckets and that of the next group's directories (into ``heads``) in the order the
+        writer sends them; return the group's bytes."""
+        codec = self.codec
+        assert codec is not None and self.transport is not None and self.plan is not None
+        first = group.spec.ops[0]
+        t = time.perf_counter()
+        self.transport.wait([head], deadline.left())
+        phases["transfer"] += time.perf_counter() - t
+        raw = self._directory_at[first.bucket].cpu().numpy().tobytes()  # one copy a window
+        group.parts, n = codec.take_group(group.spec, raw, group.buf)
+        nxt = codec.next_group(first)
+        ahead = codec.ahead(first)
+        if ahead and nxt is None:
+            raise WeightbusError(
+                f"{self.name}: the directories of bucket {first.bucket} from writer "
+                f"{first.peer} announce a next group, but it is the writer's last to this "
+                "reader: the two sides disagree on the plan or run different weightbus versions"
+            )
+        if ahead:
+            heads[nxt.bucket] = self._recv_directories(nxt)
+        if n:  # (no frames, nothing changed: the writer sends no second message)
+            tag = rest_tag(first, len(self.plan.buckets))
+            group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
+        if nxt is not None and not ahead:
+            heads[nxt.bucket] = self._recv_directories(nxt)
+        return len(raw) + n
+
+    def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> None:
+        """Wait for a whole group and apply it to the live tensors."""
         t = time.perf_counter()
         self.transport.wait([group.rest] if group.rest is not None else [], deadline.left())
         phases["transfer"] += time.perf_counter() - t
@@ -428,22 +449,19 @@ class Reader(_Session):
             for op in group.spec.ops:
                 self._verifier.add(op, region_views(op, self.codec.tensors))
             phases["verify"] += time.perf_counter() - t
-        return got
 
 
 class _Group:
-    """A writer window's buckets to this reader being received: the handle of their
-    directories, then of the buckets."""
+    """A writer window's buckets to this reader being received: its staging buffer, then
+    where each bucket lands there and the handle of their receive."""
 
-    __slots__ = ("buf", "dirs", "head", "parts", "rest", "size", "spec")
+    __slots__ = ("buf", "parts", "rest", "spec")
 
-    def __init__(self, spec: Group, buf: torch.Tensor, dirs: torch.Tensor, head: Handle) -> None:
-        self.spec, self.buf, self.dirs, self.head = spec, buf, dirs, head
+    def __init__(self, spec: Group, buf: torch.Tensor) -> None:
+        self.spec, self.buf = spec, buf
         self.parts: list[tuple[BucketOp, int]] = []
         """Each bucket and where it starts in ``buf``, once the directories were read."""
         self.rest: Handle | None = None
-        self.size = 0
-        """The group's bytes on the wire, once its directories were read (0 until then)."""
 
 
 def _free_memory(device: torch.device) -> int:

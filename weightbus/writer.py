@@ -50,7 +50,10 @@ class Writer(_Session):
         self._verifier: Verifier | None = None
         self._directories: list[torch.Tensor] = []
         """Deltas: the windows' directories sent in the current sync (pinned host memory),
-        kept until their copies into staging are done."""
+        kept until their copies to the device are done."""
+        self._ahead: set[int] = set()
+        """Deltas: groups (first buckets) whose directories went with the previous group's
+        buckets in the current sync."""
 
     def _on_build(self) -> None:
         """At connect and in every new membership epoch (once every participant agreed on
@@ -217,6 +220,7 @@ class Writer(_Session):
         codec.begin(version)  # FP8: the amax pass and the writers' all-reduce
         phases["pack"] += time.perf_counter() - t
         self._directories = []
+        self._ahead = set()
         total, done, sent = self.bytes_per_sync, 0, 0
         free = deque(self._staging)
         staged: deque = deque()  # (handles, staging buffer), oldest first
@@ -279,18 +283,34 @@ class Writer(_Session):
         self, op: BucketOp, group: Group, buf: torch.Tensor, phases: dict[str, float]
     ) -> tuple[list[Handle], int]:
         """Deltas: encode the window's buckets to ``op``'s reader into ``buf`` and send them
-        as two messages: their directories (whose sizes the reader knows), then the buckets
-        themselves; return the handles and the bytes sent."""
+        as two messages: their directories (whose sizes the reader knows), unless they went
+        ahead with the previous group's, then the buckets themselves; the next group's
+        directories go before the buckets where this group's say so (the reader then posts
+        its next receive while these buckets travel). Return the handles and the bytes
+        sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
         t = time.perf_counter()
         directories, rest = self.codec.pack_group(op, buf)  # rest: in buf, or the shadow's
-        at = group.directories_at
-        on_device = buf[at : at + directories.numel()]
-        on_device.copy_(directories, non_blocking=True)
+        handles: list[Handle] = []
+        if op.bucket in self._ahead:
+            self._ahead.discard(op.bucket)  # sent with the previous group's buckets
+        else:
+            handles.append(self._send_directories(op, directories))
+        nxt = self.codec.ahead(op)
+        if nxt is not None:
+            handles.append(self._send_directories(*nxt))
+            self._ahead.add(nxt[0].bucket)
         phases["pack"] += time.perf_counter() - t
-        self._directories.append(directories)  # alive until the sync is over: the copy reads it
         tag = rest_tag(op, len(self.plan.buckets))
-        handles = [self.transport.send(op.peer_global, on_device, op.bucket)]
         if rest.numel():  # nothing changed in the group: no second message (the reader knows)
             handles.append(self.transport.send(op.peer_global, rest, tag))
-        return handles, on_device.numel() + rest.numel()
+        return handles, sum(h.nbytes for h in handles)
+
+    def _send_directories(self, first: BucketOp, directories: torch.Tensor) -> Handle:
+        """Send the directories of the group bucket ``first`` starts from their place on the
+        device (:attr:`_directory_at`), copied there from ``directories`` (host bytes)."""
+        assert self.transport is not None
+        on_device = self._directory_at[first.bucket]
+        on_device.copy_(directories, non_blocking=True)
+        self._directories.append(directories)  # alive until the sync is over: the copy reads it
+        return self.transport.send(first.peer_global, on_device, first.bucket)

@@ -45,7 +45,8 @@ frames go. On CPU the same steps are torch operations per route.
 
 Bucket wire format (little-endian, no pickle), one bucket = one byte buffer::
 
-    header     48 bytes   magic "WBD2", frames, flags (1: checksum, 2: plain), reserved,
+    header     48 bytes   magic "WBD2", frames, flags (1: checksum, 2: plain, 4: see
+                          below), reserved,
                           used bytes, version, base version (-1: no sparse frame), checksum
     directory  16 bytes per route, in the bucket's route order:
                           kind (1 dense, 2 sparse), itemsize, index size (0, 4, 8),
@@ -114,7 +115,7 @@ __all__ = [
 
 MAGIC = int.from_bytes(b"WBD2", "little")
 DENSE, SPARSE = 1, 2
-FLAG_CHECKSUM, FLAG_PLAIN = 1, 2
+FLAG_CHECKSUM, FLAG_PLAIN, FLAG_AHEAD = 1, 2, 4
 ALIGN = 16
 # header: magic, frames, flags, reserved, used, version, base version, checksum
 _HEAD = struct.Struct("<IIIIQqqQ")
@@ -221,9 +222,10 @@ def window_index(nbytes: Sequence[int], window_bytes: int) -> list[int]:
 
 GROUP_ALIGN = 256
 """Where each bucket of a window's group starts in the group's message (bytes)."""
-GROUP_FORMAT = 2
-"""The layout of a group's messages, part of the codec agreement: 2, frames only in the second
-message (1 repeated each bucket's directory there)."""
+GROUP_FORMAT = 3
+"""The layout and order of a group's messages, part of the codec agreement: 3, a group's
+directories may come before the previous group's buckets (``FLAG_AHEAD``); 2, always after
+them; 1 repeated each bucket's directory in the second message."""
 
 
 def group_aligned(n):
@@ -268,6 +270,22 @@ class Group:
     def capacity(self) -> int:
         """Staging bytes the group needs."""
         return self.directories_at + self.directories
+
+
+def next_groups(groups: Mapping[int, Sequence[BucketOp]]) -> dict[int, int]:
+    """Per group (its first bucket; ``groups`` in program order, each its buckets): the first
+    bucket of the next group between the same writer and reader, where there is one. Its
+    directories go on the wire either after this group's buckets or, when this group's
+    directories carry ``FLAG_AHEAD``, before them, so that the reader posts the next group's
+    receive while this one's buckets travel."""
+    out: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for first, ops in groups.items():
+        peer = ops[0].peer
+        if peer in last:
+            out[last[peer]] = first
+        last[peer] = first
+    return out
 
 
 def encoded_size(directory: torch.Tensor) -> int:
@@ -623,13 +641,18 @@ class _Window:
     """One window of the current sync, from its compare pass until its last bucket is packed."""
 
     __slots__ = (
-        "dense", "encoded", "event", "lay", "meta", "scratch", "spans", "state", "store", "work",
+        "count", "dense", "encoded", "event", "launched", "lay", "meta", "scratch", "spans",
+        "state", "store", "work",
     )  # fmt: skip
 
-    def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool) -> None:
-        self.lay, self.work, self.dense = lay, work, dense
+    def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool, count: bool) -> None:
+        self.lay, self.work, self.dense, self.count = lay, work, dense, count
         """``work``: the shadow's bytes of the window (the shadow itself, or a device copy of
-        a host shadow's); ``dense``: every bucket goes to readers that get dense bytes."""
+        a host shadow's); ``dense``: every bucket goes to readers that get dense bytes;
+        ``count``: sent dense on a guess, its changes only counted."""
+        self.launched = False
+        """Whether its compare pass was launched (a dense window's directories may be laid
+        out before)."""
         self.scratch: torch.Tensor | None = None
         """Computed buckets' new values (FP8, casts), alive until the shadow took them."""
         self.state: object = None
@@ -646,7 +669,8 @@ class _Window:
         self.meta: torch.Tensor | None = None
         """Every bucket's header and directory (pinned on CUDA, copied without waiting)."""
         self.event: torch.cuda.Event | None = None
-        """Recorded after its compare pass where that ran on the encoder's own stream."""
+        """Recorded after its compare pass where that ran on the encoder's own stream, until
+        the current stream waited for it."""
 
 
 class DeltaEncoder:
@@ -706,6 +730,10 @@ class DeltaEncoder:
         self._window_of = {op.bucket: w for w, win in enumerate(passes) for op in win}
         self._group = {b: Group.of(members) for b, members in self._groups.items()}
         """The groups, as both sides describe them (first bucket -> :class:`Group`)."""
+        self._next = next_groups(self._groups)
+        self._ahead: set[int] = set()
+        """This sync's groups whose directories say that the next group's go before their
+        buckets (:meth:`ahead`)."""
         self._directories: dict[int, torch.Tensor] = {}
         host = config.shadow == "host" or self.device.type == "cpu"
         pin = host and self.device.type == "cuda" and torch.cuda.is_available()
@@ -745,6 +773,7 @@ class DeltaEncoder:
         self._open.clear()
         self._done.clear()
         self._directories.clear()
+        self._ahead.clear()
 
     def end(self) -> None:
         """The sync is over (packed or abandoned): drop the windows' scratch."""
@@ -762,6 +791,7 @@ class DeltaEncoder:
         self._open.clear()
         self._done.clear()
         self._directories.clear()
+        self._ahead.clear()
 
     @torch.no_grad()
     def encode(self, op: BucketOp, buf: torch.Tensor) -> int:
@@ -820,13 +850,57 @@ class DeltaEncoder:
         if self._decision is not None and op.bucket not in self._done:
             self._ready(self._window_of[op.bucket], self._decision)
 
-    def _ready(self, w: int, decision: DeltaDecision) -> _Window:
-        """Window ``w``, compared and analyzed."""
+    def ahead(self, op: BucketOp) -> tuple[BucketOp, torch.Tensor] | None:
+        """When the directories of the group bucket ``op`` starts (encoded) carry
+        ``FLAG_AHEAD``: the next group to its reader (its first bucket) and that group's
+        directories, which go on the wire before this group's buckets; else None."""
+        if op.bucket not in self._ahead:
+            return None
+        assert self._decision is not None
+        first = self._next[op.bucket]
+        w = self._window_of[first]
         win = self._open.get(w)
         if win is None:
-            win = self._open[w] = self._compare(w, decision)
+            win = self._open[w] = self._open_window(w, self._decision)
+        if win.meta is None:
+            self._analyze(w, win, self._decision)  # a dense window: no wait for the device
+        return self._groups[first][0], self._directories[first]
+
+    def _goes_ahead(self, first: int, w: int, decision: DeltaDecision) -> bool:
+        """Whether the next group after group ``first`` (of window ``w``) has its directories
+        ready by the time this group's buckets leave without waiting for the device: it is
+        analyzed with this one, or its window goes dense (its directories follow from the
+        plan; its compare pass only brings the shadow up to date, and runs once the window's
+        buckets are packed)."""
+        nxt = self._next.get(first)
+        if nxt is None:
+            return False
+        w2 = self._window_of[nxt]
+        if w2 == w:
+            return True
+        if not self._local or decision.checksum:
+            return False  # (the window's analysis would read the shadow: wait for its pass)
+        win = self._open.get(w2)
+        if win is not None:
+            return win.meta is not None or win.dense
+        lay = self._layout_of(w2)
+        return w2 in self._dense or all(bk.op.peer in decision.dense for bk in lay.bks)
+
+    def _ready(self, w: int, decision: DeltaDecision) -> _Window:
+        """Window ``w``, compared and analyzed; what the current stream does next comes after
+        its compare pass."""
+        win = self._open.get(w)
+        if win is None:
+            win = self._open[w] = self._open_window(w, decision)
+        if not win.launched:
+            self._launch(w, win)
         if win.meta is None:
             self._analyze(w, win, decision)
+        if win.event is not None:
+            # a dense window analyzed before its compare pass ran, or without waiting for it
+            torch.cuda.current_stream(self.device).wait_event(win.event)
+            win.event = None
+            win.scratch = win.state = None
         return win
 
     # -- a window's routes, fixed at connect --------------------------------------------------
@@ -911,14 +985,26 @@ class DeltaEncoder:
         work = torch.empty(lay.end - lay.base, dtype=torch.uint8, device=self.device)
         return work.copy_(self.shadow[lay.base : lay.end], non_blocking=True)
 
-    def _compare(self, w: int, decision: DeltaDecision) -> _Window:
-        """Start a window: its computed buckets filled, its compare pass launched (no waiting);
-        a window whose readers all get dense bytes only brings the shadow up to date."""
+    def _open_window(self, w: int, decision: DeltaDecision) -> _Window:
+        """Window ``w`` of this sync, not compared yet; a window whose readers all get dense
+        bytes will only bring the shadow up to date."""
         lay = self._layout_of(w)
         dense = all(bk.op.peer in decision.dense for bk in lay.bks)
         # went dense last time: sent dense again, its changes only counted
         guess = not dense and w in self._dense
-        win = _Window(lay, self._work(lay), dense or guess)
+        return _Window(lay, self._work(lay), dense or guess, guess)
+
+    def _compare(self, w: int, decision: DeltaDecision) -> _Window:
+        """Window ``w``, opened and its compare pass launched."""
+        win = self._open_window(w, decision)
+        self._launch(w, win)
+        return win
+
+    def _launch(self, w: int, win: _Window) -> None:
+        """Fill the window's computed buckets and launch its compare pass (no waiting)."""
+        lay = win.lay
+        guess = win.count
+        win.launched = True
         if lay.scratch_bytes:
             win.scratch = torch.empty(lay.scratch_bytes, dtype=torch.uint8, device=self.device)
             for bk, at in lay.filled:
@@ -937,15 +1023,18 @@ class DeltaEncoder:
             win.event.record(side)
         if guess:
             self._tally[w] = win.state
-        return win
 
     def _analyze(self, w: int, win: _Window, decision: DeltaDecision) -> None:
         """Count each route's changed elements (the window's wait for the device), decide
         sparse or dense, lay out the frames, write them and update the shadow; meanwhile the
         next window's compare pass runs on the device."""
         lay = win.lay
-        if win.event is not None:
+        # a dense window's directories need no counts: its pass is waited for once its
+        # buckets are packed (:meth:`_ready`), not before this one's are sent
+        defer = win.dense and self._local and not decision.checksum
+        if win.event is not None and not defer:
             torch.cuda.current_stream(self.device).wait_event(win.event)
+            win.event = None
         counts = np.zeros(len(lay.numel), np.int64)
         if not win.dense:
             counts, win.state = lay.table.counts(win.state)
@@ -971,7 +1060,8 @@ class DeltaEncoder:
         if not self._local:
             # a host shadow: take the window's new bytes back before anything reads them
             self.shadow[lay.base : lay.end].copy_(win.work)
-        win.scratch = win.state = None
+        if win.event is None:  # (else the compare pass may still read them)
+            win.scratch = win.state = None
         assert win.meta is not None
         meta = win.meta.numpy()
         if decision.checksum:
@@ -982,7 +1072,11 @@ class DeltaEncoder:
                 meta[m_at + _HEAD.size - 8 : m_at + _HEAD.size] = sums
         for first, members in lay.groups:
             parts = [meta[lay.meta_at[i] : lay.meta_at[i] + lay.bks[i].head] for i in members]
-            group = torch.from_numpy(np.concatenate(parts))
+            joined = np.concatenate(parts)
+            if self._goes_ahead(first, w, decision):
+                self._ahead.add(first)
+                joined[8:12].view("<u4")[0] |= FLAG_AHEAD  # the first header's flags
+            group = torch.from_numpy(joined)
             self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
@@ -1548,6 +1642,14 @@ class DeltaDecoder:
                 "damaged in transit or the two sides disagree on the plan; nothing of this "
                 "group was applied",
             )
+
+    def ahead(self, op: BucketOp) -> bool:
+        """Whether the directories taken for the group bucket ``op`` starts say that the next
+        group's directories come before this group's buckets (``FLAG_AHEAD``)."""
+        d = self._read.get(op.bucket)
+        if d is None:
+            raise RuntimeError(f"{self.name}: the directories of bucket {op.bucket} were not taken")
+        return bool(d.flags[0] & FLAG_AHEAD)
 
     def begin(self) -> None:
         """A sync starts: elements refused in an earlier sync (one that failed before its

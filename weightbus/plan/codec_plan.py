@@ -53,6 +53,7 @@ from weightbus.codecs.delta import (
     DeltaPolicy,
     Group,
     capacity,
+    next_groups,
     window_index,
 )
 from weightbus.codecs.fp8 import (
@@ -328,8 +329,19 @@ class WriterCodec:
         """Deltas: the staging bytes each group needs; None without deltas."""
         if self.encoder is None:
             return None
-        groups = (self.encoder.group(op) for op in self.ops)
-        return [g.capacity for g in groups if g is not None]
+        return [g.capacity for _, g in self.group_starts()]
+
+    def group_starts(self) -> list[tuple[BucketOp, Group]]:
+        """Deltas: each group's first bucket and the group, in program order."""
+        if self.encoder is None:
+            return []
+        return [(op, g) for op in self.ops if (g := self.encoder.group(op)) is not None]
+
+    def ahead(self, op: BucketOp) -> tuple[BucketOp, torch.Tensor] | None:
+        """Deltas, after :meth:`pack_group`: when the directories of the group ``op`` starts
+        say so, the next group to that reader (its first bucket) and its directories, which
+        go on the wire before this group's buckets; else None."""
+        return self.encoder.ahead(op) if self.encoder is not None else None
 
     def direct(self, op: BucketOp) -> torch.Tensor | None:
         """The live bytes of a bucket that may be sent in place (one contiguous route in the
@@ -437,8 +449,10 @@ class ReaderCodec:
             DeltaDecoder(self.ops, self.tensors, self.name) if codecs.delta is not None else None
         )
         self._group: dict[int, Group] = {}
+        self._next: dict[int, int] = {}
         if codecs.delta is not None:
             self._group = _directory_groups(plan, self.ops, codecs.delta.window_bytes)
+            self._next = next_groups({b: g.ops for b, g in self._group.items()})
             assert self.decoder is not None
             self.decoder.expect(g.ops for g in self._group.values())  # at connect
         self.version: int | None = None
@@ -486,6 +500,22 @@ class ReaderCodec:
         if self.decoder is None:
             return None
         return [g.capacity for g in self._group.values()]
+
+    def group_starts(self) -> list[tuple[BucketOp, Group]]:
+        """Deltas: each group's first bucket and the group, in program order."""
+        return [(g.ops[0], g) for g in self._group.values()]
+
+    def next_group(self, op: BucketOp) -> BucketOp | None:
+        """Deltas: the first bucket of the next group from the writer of the group ``op``
+        starts, or None for its last."""
+        nxt = self._next.get(op.bucket)
+        return None if nxt is None else self._group[nxt].ops[0]
+
+    def ahead(self, op: BucketOp) -> bool:
+        """Deltas, after :meth:`take_group`: whether the directories of the group ``op``
+        starts say that the next group's directories come before this group's buckets."""
+        assert self.decoder is not None, "ahead is for delta buckets"
+        return self.decoder.ahead(op)
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
         """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
@@ -572,6 +602,7 @@ def run_sync(
         r.begin(version)
     w_ops = {op.bucket: (w, op) for w in writers for op in w.ops}
     r_ops = {op.bucket: (i, r, op) for i, r in enumerate(readers) for op in r.ops}
+    ahead: dict[int, bytes] = {}  # directories sent before the previous group's buckets
     moved = 0
     for b in range(len(plan.buckets)):
         w, wop = w_ops[b]
@@ -602,11 +633,26 @@ def run_sync(
         if group is None or members is None:
             continue
         directories, sent = w.pack_group(wop, _random_bytes(group.capacity, w.device))
+        raw = directories.numpy().tobytes()
+        if b in ahead and ahead.pop(b) != raw:
+            raise AssertionError(f"bucket {b}: the directories sent ahead differ")
+        nxt = w.ahead(wop)
+        if nxt is not None:
+            ahead[nxt[0].bucket] = nxt[1].numpy().tobytes()
         if ri in absent:
             continue
-        raw = directories.numpy().tobytes()
         got = _random_bytes(members.capacity, r.device)
         parts, n = r.take_group(members, raw, got)
+        follows = r.next_group(rop)
+        if r.ahead(rop) != (nxt is not None) or (
+            nxt is not None and (follows is None or follows.bucket != nxt[0].bucket)
+        ):
+            raise AssertionError(
+                f"bucket {b}: the reader expects the next directories "
+                f"{'ahead' if r.ahead(rop) else 'after'} (bucket "
+                f"{follows.bucket if follows else None}), the writer sends "
+                f"{'bucket ' + str(nxt[0].bucket) + ' ahead' if nxt else 'them after'}"
+            )
         if n != sent.numel():
             raise AssertionError(
                 f"bucket {b}: the directories say {n} bytes, {sent.numel()} were sent"
