@@ -1125,8 +1125,7 @@ def kernels_equal_torch(
 )
 def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, tiles, monkeypatch):
     """``tiles``: programs of that many tiles (compare, and emit by steps), every window
-    emitted by steps (also at 50% changed, and its dense frames' tiles), and the compare
-    passes of windows sent dense in launches of one tile more."""
+    emitted by steps (also at 50% changed, and its dense frames' tiles)."""
     from weightbus.codecs import _delta_triton, delta
 
     # small tiles: routes of many tiles, rows split in tiles, all three addressing modes
@@ -1135,7 +1134,6 @@ def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, tile
         monkeypatch.setattr(delta, "_WIDE", 300)
     if tiles:  # (a launch's last program may hold fewer)
         monkeypatch.setattr(_delta_triton, "COMPARE", (tiles, 4))
-        monkeypatch.setattr(_delta_triton, "UPDATE_TILES", tiles + 1)  # launches of 5 tiles
         monkeypatch.setattr(_delta_triton, "EMIT_STEPS", (tiles, 2))
         monkeypatch.setattr(_delta_triton, "STEPS_BELOW", 1.1)
     kernels_equal_torch(seed, "cpu", window, host_copy)

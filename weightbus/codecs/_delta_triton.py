@@ -57,11 +57,6 @@ Measured on an H200, 1 GiB of bf16 in 32 routes (steps, 4 tiles a program, again
 COMPARE = (1, 8)
 """Tiles per program and warps of the compare pass (on an H200, 2 tiles a program or 4 or
 16 warps were slower)."""
-UPDATE_TILES = 1 << 16
-"""A compare pass that only brings the shadow up to date (a window sent dense, whose buckets
-then travel beside the next window's pass) goes in launches of this many tiles (256 MiB of
-bf16, ~0.25 ms on an H200): a send that becomes ready while a grid still has blocks to start
-waits until its last block started, a whole 2 GiB pass (~2 ms) were it one launch."""
 EMIT_STEPS = (4, 4)
 """Tiles per program and warps of the emit pass, step by step."""
 EMIT_LANES = (1, 4)
@@ -600,17 +595,14 @@ class WindowTable:
                 self.tiles * (self.block // 32), dtype=torch.int32, device=self.device
             )
         on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        r, warps = COMPARE
-        step = UPDATE_TILES if update else max(n for *_, n in self.groups)
         with _device_context(self.device), on:
             for isz, mode, first, n in self.groups:
-                for at in range(first, first + n, step):
-                    m = min(step, first + n - at)
-                    _compare_kernel[(-(-m // r),)](
-                        self._owner, self._routes, work, scratch, counts, bits, at, m,
-                        T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count or not update,
-                        BLOCK=self.block, R=r, num_warps=warps,
-                    )  # fmt: skip
+                r, warps = COMPARE
+                _compare_kernel[(-(-n // r),)](
+                    self._owner, self._routes, work, scratch, counts, bits, first, n,
+                    T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count or not update,
+                    BLOCK=self.block, R=r, num_warps=warps,
+                )  # fmt: skip
         if update:
             return (counts, None) if count else None
         return counts, bits
