@@ -27,6 +27,7 @@ from tests.test_codec_fp8 import (
 from weightbus.codecs.delta import (
     _ENT,
     _HEAD,
+    FLAG_AHEAD,
     FLAG_PLAIN,
     GROUP_ALIGN,
     MAGIC,
@@ -628,6 +629,35 @@ def test_the_next_groups_directories_go_ahead_when_ready_without_the_device(monk
             assert all(a for _, _, a in following), step
         else:  # compared: the next group goes ahead only from its own pass
             assert [a for _, _, a in following] == same_pass, step
+
+
+def test_a_reader_refuses_directories_announced_ahead_after_a_writers_last_group():
+    """FLAG_AHEAD on a writer's last group to a reader (a peer that disagrees on the plan)
+    is refused, naming the bucket; on another group it names the next group."""
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000))
+    plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+    for lay, t in zip(ws, live, strict=True):
+        fill_from_canonical(lay, canon, t)
+    run_sync(plan, wcs, rcs, 1)
+    w_of = {op.bucket: (w, op) for w in wcs for op in w.ops}
+    for c in (*wcs, *rcs):
+        c.begin(2)
+    rc = rcs[0]
+    starts = [op for op, _ in rc.group_starts()]
+    last = next(op for op in starts if rc.next_group(op) is None)
+    middle = next(op for op in starts if rc.next_group(op) is not None)
+    for rop in (middle, last):
+        w, wop = w_of[rop.bucket]
+        members = rc.group_of(rop)
+        directories, _ = w.pack_group(wop, torch.zeros(members.capacity, dtype=torch.uint8))
+        raw = bytearray(directories.numpy().tobytes())
+        raw[8] |= FLAG_AHEAD  # the group's first header's flags
+        rc.take_group(members, bytes(raw), torch.zeros(members.capacity, dtype=torch.uint8))
+        if rop is middle:
+            assert rc.ahead(rop) == rc.next_group(rop)
+        else:
+            with pytest.raises(WeightbusError, match=rf"bucket {rop.bucket} from writer .*last"):
+                rc.ahead(rop)
 
 
 def test_signed_zeros_and_nan_payloads_travel():

@@ -419,20 +419,14 @@ class Reader(_Session):
         phases["transfer"] += time.perf_counter() - t
         raw = self._directory_at[first.bucket].cpu().numpy().tobytes()  # one copy a window
         group.parts, n = codec.take_group(group.spec, raw, group.buf)
-        nxt = codec.next_group(first)
         ahead = codec.ahead(first)
-        if ahead and nxt is None:
-            raise WeightbusError(
-                f"{self.name}: the directories of bucket {first.bucket} from writer "
-                f"{first.peer} announce a next group, but it is the writer's last to this "
-                "reader: the two sides disagree on the plan or run different weightbus versions"
-            )
-        if ahead:
-            heads[nxt.bucket] = self._recv_directories(nxt)
+        if ahead is not None:
+            heads[ahead.bucket] = self._recv_directories(ahead)
         if n:  # (no frames, nothing changed: the writer sends no second message)
             tag = rest_tag(first, len(self.plan.buckets))
             group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
-        if nxt is not None and not ahead:
+        nxt = codec.next_group(first)
+        if nxt is not None and ahead is None:
             heads[nxt.bucket] = self._recv_directories(nxt)
         return len(raw) + n
 

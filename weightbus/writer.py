@@ -9,7 +9,6 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import Group
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
@@ -253,7 +252,7 @@ class Writer(_Session):
                     handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
                 else:
                     codec.check()
-                    handles, n = self._send_group(op, group, buf, phases)
+                    handles, n = self._send_group(op, buf, phases)
                 staged.append((handles, buf))
                 sent += n
             if verifier is not None:
@@ -280,7 +279,7 @@ class Writer(_Session):
         return sent
 
     def _send_group(
-        self, op: BucketOp, group: Group, buf: torch.Tensor, phases: dict[str, float]
+        self, op: BucketOp, buf: torch.Tensor, phases: dict[str, float]
     ) -> tuple[list[Handle], int]:
         """Deltas: encode the window's buckets to ``op``'s reader into ``buf`` and send them
         as two messages: their directories (whose sizes the reader knows), unless they went

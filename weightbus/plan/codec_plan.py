@@ -65,6 +65,7 @@ from weightbus.codecs.fp8 import (
     WriterScales,
     quantized_layout,
 )
+from weightbus.errors import WeightbusError
 from weightbus.plan.planner import TransferPlan
 from weightbus.plan.program import BucketCopier, BucketOp, build_program, direct_view
 from weightbus.spec import Layout, LayoutError
@@ -511,11 +512,23 @@ class ReaderCodec:
         nxt = self._next.get(op.bucket)
         return None if nxt is None else self._group[nxt].ops[0]
 
-    def ahead(self, op: BucketOp) -> bool:
-        """Deltas, after :meth:`take_group`: whether the directories of the group ``op``
-        starts say that the next group's directories come before this group's buckets."""
+    def ahead(self, op: BucketOp) -> BucketOp | None:
+        """Deltas, after :meth:`take_group`: when the directories of the group ``op`` starts
+        say that the next group's directories come before this group's buckets, the first
+        bucket of that next group (else None). Raises when they say so of a writer's last
+        group to this reader."""
         assert self.decoder is not None, "ahead is for delta buckets"
-        return self.decoder.ahead(op)
+        if not self.decoder.ahead(op):
+            return None
+        nxt = self.next_group(op)
+        if nxt is None:
+            raise WeightbusError(
+                f"reader {self.name!r}: the directories of bucket {op.bucket} from writer "
+                f"{op.peer} announce the next group's before its buckets, but it is that "
+                "writer's last group to this reader: the two sides disagree on the plan or run "
+                "different weightbus versions"
+            )
+        return nxt
 
     def encoded_size(self, op: BucketOp, buf: torch.Tensor) -> int:
         """Deltas: the bytes of bucket ``op`` at the start of ``buf``, read from its directory
@@ -643,15 +656,14 @@ def run_sync(
             continue
         got = _random_bytes(members.capacity, r.device)
         parts, n = r.take_group(members, raw, got)
-        follows = r.next_group(rop)
-        if r.ahead(rop) != (nxt is not None) or (
-            nxt is not None and (follows is None or follows.bucket != nxt[0].bucket)
+        expects = r.ahead(rop)
+        if (expects is None) != (nxt is None) or (
+            expects is not None and nxt is not None and expects.bucket != nxt[0].bucket
         ):
             raise AssertionError(
-                f"bucket {b}: the reader expects the next directories "
-                f"{'ahead' if r.ahead(rop) else 'after'} (bucket "
-                f"{follows.bucket if follows else None}), the writer sends "
-                f"{'bucket ' + str(nxt[0].bucket) + ' ahead' if nxt else 'them after'}"
+                f"bucket {b}: the reader expects the directories of bucket "
+                f"{expects.bucket if expects else None} ahead, the writer sends those of "
+                f"{nxt[0].bucket if nxt else None}"
             )
         if n != sent.numel():
             raise AssertionError(
