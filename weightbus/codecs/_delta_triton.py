@@ -27,11 +27,12 @@ A window whose readers all get dense bytes needs no counts: one pass writes the 
 elements into the shadow.
 
 Reader, per group of buckets (:class:`TargetTable`): one launch per element size copies the
-dense frames that go to contiguous regions (16 bytes a load where aligned), and one per element
-size and addressing mode writes the other dense frames and scatters every sparse frame of the
-buckets into the live regions. An element whose index falls outside its region (a damaged frame) is not
-written: it is counted, with its route, in the table's faults, which the reader reads once
-per sync (:meth:`TargetTable.faults`, after its stream ran) and refuses the sync for.
+dense frames that go to contiguous regions (16 bytes a load where aligned), and one per
+element size and addressing mode writes the other dense frames and scatters every sparse frame
+of the buckets into the live regions. An element whose index falls outside its region (a
+damaged frame) is not written: it is counted, with its route, in the table's faults, which
+the reader reads once per sync (:meth:`TargetTable.faults`, after its stream ran) and refuses
+the sync for.
 """
 
 from __future__ import annotations
