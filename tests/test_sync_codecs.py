@@ -4,7 +4,9 @@
   parallel readers, 22 syncs with about 1% of the elements changed each (none in one of
   them: only the buckets' directories travel), checked bit for bit
   after every sync; the readers start poisoned, and one reader poisons its tensors mid-run and
-  asks for a dense sync (what a reader that lost or missed a version does);
+  asks for a dense sync (what a reader that lost or missed a version does); several groups per
+  link, some directories sent ahead, and each link's messages posted in the same order and
+  sizes on both sides (NCCL matches by order, gloo by tags);
 * FP8: the same FSDP writers, whose shards cut quantization blocks (so they agree on amaxes
   through their own all-reduce) -> one reader holding fused FP8 engine parameters and scales,
   equal to the reference quantization and within the FP8 error bound;
@@ -78,6 +80,21 @@ def _step(canon: dict[str, torch.Tensor], version: int) -> None:
         flat[idx] = torch.randn(n, generator=g)
 
 
+def _record(transport, op: str) -> list[tuple[int, int]]:
+    """Log (peer, bytes) of every ``op`` ("send" or "recv") the transport is asked to post, in
+    order: NCCL matches a link's messages by their order alone (gloo by tags), so the test
+    compares each link's sequence on both sides."""
+    log: list[tuple[int, int]] = []
+    post = getattr(transport, op)
+
+    def recorded(peer, buf, tag):
+        log.append((int(peer), buf.numel() * buf.element_size()))
+        return post(peer, buf, tag)
+
+    setattr(transport, op, recorded)
+    return log
+
+
 def _delta_config():
     from weightbus.codecs import DeltaConfig
 
@@ -143,13 +160,14 @@ def _writer(rank: int, port: int, q) -> None:
         control, sync = _configs(port, "delta", 2, delta=_delta_config(), bucket_bytes=DELTA_BUCKET)
         writer = Writer(bound, control, sync)
         writer.connect()
+        posted = _record(writer.transport, "send")
         sent = []
         for v in range(1, STEPS + 1):
             _step(canon, v)
             fill_from_canonical(bound.layout, canon, bound.tensors)
             sent.append(writer.sync(v).bytes)
         writer.close()
-        q.put(("delta", f"writer-{rank}", "ok", sent))
+        q.put(("delta", f"writer-{rank}", "ok", (sent, posted)))
 
         model = model_spec("tiny-llama")
         bound = bind(_canonical(model, 0))
@@ -194,6 +212,7 @@ def _delta_reader(rank: int, port: int, q) -> None:
     control, sync = _configs(port, "delta", 2, delta=_delta_config(), bucket_bytes=DELTA_BUCKET)
     reader = Reader(BoundLayout(layout=layout, tensors=tensors), control, sync)
     reader.connect()
+    posted = _record(reader.transport, "recv")
     payload = sum(c.nbytes for op in reader.ops for c in op.copies)
     groups = reader.codec.group_starts()
     directories = sum(directory_bytes(op) for op in reader.ops)
@@ -218,7 +237,7 @@ def _delta_reader(rank: int, port: int, q) -> None:
             "delta",
             f"reader-{rank}",
             "ok" if not bad else "wrong",
-            (got, payload, bad[:5], len(groups), directories),
+            (got, payload, bad[:5], len(groups), directories, posted),
         )
     )
 
@@ -311,8 +330,8 @@ def _job(jobs: dict, job: str, names: list[str]) -> dict:
 @pytest.mark.timeout(200)
 def test_deltas_bit_exact_over_22_syncs_with_resharding_and_a_dense_request(jobs):
     got = _job(jobs, "delta", ["writer-0", "writer-1", "reader-0", "reader-1"])
-    got0, payload0, _, groups0, dirs0 = got["reader-0"]
-    got1, payload1, _, groups1, dirs1 = got["reader-1"]
+    got0, payload0, _, groups0, dirs0, posted0 = got["reader-0"]
+    got1, payload1, _, groups1, dirs1, posted1 = got["reader-1"]
     assert groups0 >= 2 * N_WRITERS and groups1 >= 2 * N_WRITERS  # several from each writer
     # the first sync is dense; then about 3% of the bytes travel (an index and a value per
     # changed element), except in the sync reader-1 asked to be dense: the others stay sparse
@@ -322,8 +341,16 @@ def test_deltas_bit_exact_over_22_syncs_with_resharding_and_a_dense_request(jobs
     assert got0[UNCHANGED_AT - 1] == dirs0 and got1[UNCHANGED_AT - 1] == dirs1, (got0, got1)
     assert max(got1[1 : DENSE_AT - 1] + got1[DENSE_AT:]) < 0.2 * payload1, got1
     assert got1[DENSE_AT - 1] >= payload1, got1
-    sent = [a + b for a, b in zip(got["writer-0"], got["writer-1"], strict=True)]
+    (sent0, by0), (sent1, by1) = got["writer-0"], got["writer-1"]
+    sent = [a + b for a, b in zip(sent0, sent1, strict=True)]
     assert sent == [a + b for a, b in zip(got0, got1, strict=True)]
+    # every link's messages posted in the same order and sizes on both sides, as NCCL needs
+    # (global ranks: the writers, then the readers)
+    for w, by in enumerate((by0, by1)):
+        for r, posted in enumerate((posted0, posted1)):
+            sends = [n for peer, n in by if peer == N_WRITERS + r]
+            recvs = [n for peer, n in posted if peer == w]
+            assert sends and sends == recvs, (w, r)
 
 
 @pytest.mark.timeout(200)
