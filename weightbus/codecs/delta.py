@@ -890,8 +890,14 @@ class DeltaEncoder:
         win = self._open.get(w2)
         if win is not None:
             return win.meta is not None or win.dense
-        lay = self._layout_of(w2)
-        return w2 in self._dense or all(bk.op.peer in decision.dense for bk in lay.bks)
+        return self._goes_dense(w2, decision)[0]
+
+    def _goes_dense(self, w: int, decision: DeltaDecision) -> tuple[bool, bool]:
+        """Whether window ``w`` is sent dense this sync, and whether only on a guess: every
+        route of it went dense last time (then its changes are still counted)."""
+        dense = all(bk.op.peer in decision.dense for bk in self._windows[w])
+        guess = not dense and w in self._dense
+        return dense or guess, guess
 
     def _ready(self, w: int, decision: DeltaDecision) -> _Window:
         """Window ``w``, compared and analyzed; what the current stream does next comes after
@@ -996,10 +1002,8 @@ class DeltaEncoder:
         """Window ``w`` of this sync, not compared yet; a window whose readers all get dense
         bytes will only bring the shadow up to date."""
         lay = self._layout_of(w)
-        dense = all(bk.op.peer in decision.dense for bk in lay.bks)
-        # went dense last time: sent dense again, its changes only counted
-        guess = not dense and w in self._dense
-        return _Window(lay, self._work(lay), dense or guess, guess)
+        dense, guess = self._goes_dense(w, decision)
+        return _Window(lay, self._work(lay), dense, guess)
 
     def _compare(self, w: int, decision: DeltaDecision) -> _Window:
         """Window ``w``, opened and its compare pass launched."""
