@@ -413,7 +413,7 @@ def test_corrupt_group_directories_are_refused_or_stay_inside_the_buffer():
     do not make one.)"""
     rc, members, _, raw, sent = _group_at_sync_2()
     buf = torch.zeros(members.capacity, dtype=torch.uint8)
-    room = members.directories_at
+    room = members.capacity
     first = members.ops[0].bucket
     intact_parts, _ = rc.take_group(members, raw, buf)
     intact = rc.decoder._read[first]

@@ -257,26 +257,19 @@ def group_layout(used: Sequence[int]) -> tuple[list[int], int]:
 class Group:
     """A writer window's buckets to one reader, which travel together (fixed at connect, the
     same on both sides): their directories, then the encoded buckets (:func:`group_layout`),
-    staged in one buffer."""
+    which are staged (the directories have a place of their own, so that they may travel
+    before the previous group's buckets)."""
 
     ops: tuple[BucketOp, ...]
-    directories_at: int
-    """Where the directories lie in the staging buffer: after the largest second message
-    (every bucket's frames at :func:`capacity`), so both messages use memory registered
-    once."""
+    capacity: int
+    """Staging bytes the group's buckets need (every bucket's frames at :func:`capacity`)."""
     directories: int
     """The directories' bytes (the first message)."""
 
     @classmethod
     def of(cls, ops: Sequence[BucketOp]) -> Group:
         end = group_layout([capacity(op) - directory_bytes(op) for op in ops])[1]
-        at = group_aligned(end)
-        return cls(tuple(ops), at, sum(directory_bytes(op) for op in ops))
-
-    @property
-    def capacity(self) -> int:
-        """Staging bytes the group needs."""
-        return self.directories_at + self.directories
+        return cls(tuple(ops), group_aligned(end), sum(directory_bytes(op) for op in ops))
 
 
 def next_groups(groups: Mapping[int, Sequence[BucketOp]]) -> dict[int, int]:

@@ -486,8 +486,7 @@ class ReaderCodec:
         there, and the bytes of the group's second message. Raises when the sizes do not add
         up."""
         assert self.decoder is not None, "take_group is for delta buckets"
-        # the buckets never reach the directories
-        return self.decoder.take_group(group.ops, raw, buf[: group.directories_at])
+        return self.decoder.take_group(group.ops, raw, buf[: group.capacity])
 
     @torch.no_grad()
     def unpack_group(self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor) -> None:
