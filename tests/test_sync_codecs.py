@@ -520,6 +520,167 @@ def test_fp8_non_finite_weights_fail_before_any_byte_moves(scale_format):
         assert torch.equal(after.view(torch.uint8), before.view(torch.uint8)), k
 
 
+AHEAD_TENSORS = {"a.weight": (128, 64), "embed.weight": (4096, 256), "lm_head.weight": (4096, 256)}
+
+
+def _ahead_layout(role: str, rank: int, n_writers: int, fp8=None):
+    """``a.weight`` (quantized) and two 2 MiB tensors that stay bf16 (their 1 MiB buckets
+    go ahead of the FP8 check); a writer holds its share of rows of each, the reader all."""
+    from weightbus import BoundLayout, LayoutBuilder, Participant
+    from weightbus.codecs.fp8 import quantized_layout
+    from weightbus.plan import allocate
+    from weightbus.spec import Box
+
+    b = LayoutBuilder(Participant(role=role, rank=rank))
+    for name, (n, m) in AHEAD_TENSORS.items():
+        b.add_tensor(name, (n, m), "bfloat16")
+        rows = n // n_writers if role == "writer" else n
+        lo = rank * rows if role == "writer" else 0
+        b.add_local(name, (rows, m), "bfloat16")
+        b.add_piece(name, Box((lo, 0), (lo + rows, m)), name, Box.whole((rows, m)))
+    layout = b.build()
+    if role == "reader":
+        layout = quantized_layout(layout, fp8)
+    return BoundLayout(layout=layout, tensors=allocate(layout))
+
+
+def _ahead_values(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {k: torch.randn(shape, generator=g).bfloat16() for k, shape in AHEAD_TENSORS.items()}
+
+
+def _record_tags(transport, op: str) -> list[tuple[int, int]]:
+    """Log (peer, tag) of every ``op`` the transport is asked to post, in order."""
+    log: list[tuple[int, int]] = []
+    post = getattr(transport, op)
+
+    def recorded(peer, buf, tag):
+        log.append((int(peer), int(tag)))
+        return post(peer, buf, tag)
+
+    setattr(transport, op, recorded)
+    return log
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n_writers", [1, 2])
+def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
+    """With FP8, the buckets that need no amax (here of ``embed`` and ``lm_head``) travel
+    before the writers' check for non-finite weights, and the reader copies them into its
+    tensors only after each writer's word that its weights were finite (written on its
+    device after the amax pass). Each link carries them
+    first, then the word, then the others, in the same order on both sides; the reader,
+    configured with 2 staging buffers, takes 4 to hold them. A first sync lands bit exact
+    (FP8 values and scales equal to quantizing the whole tensors). With one writer, a NaN
+    in the second sync fails it after the buckets ahead were sent, and the in-place reader
+    still holds the first version bit for bit."""
+    from weightbus import PeerFailure, Reader, WeightbusError, Writer
+    from weightbus.codecs import Fp8Config
+    from weightbus.codecs.fp8 import quantize_blocks
+    from weightbus.plan.codec_plan import checked_tag
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    fp8 = Fp8Config(block=16)
+    job = f"ahead{n_writers}"
+    errors: dict[str, BaseException] = {}
+    logs: dict[str, list] = {}
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    facts: dict[str, object] = {}
+
+    def writer(rank: int):
+        name = f"writer-{rank}"
+        try:
+            control, sync = _configs(store.port, job, 1, n_writers, fp8=fp8)
+            bound = _ahead_layout("writer", rank, n_writers)
+            side = Writer(bound, control, sync)
+            side.connect()
+            facts[name] = (side.ahead, len(side.plan.buckets), len(side.ops))
+            logs[name] = _record_tags(side.transport, "send")
+            for version in (1, 2):
+                for k, v in _ahead_values(version).items():
+                    rows = v.shape[0] // n_writers
+                    bound.tensors[k].copy_(v[rank * rows : (rank + 1) * rows])
+                if version == 2 and n_writers == 1:
+                    bound.tensors["a.weight"][37, 50] = float("nan")
+                    logs["before 2"] = list(logs[name])
+                try:
+                    side.sync(version)
+                except BaseException:
+                    side.close()
+                    raise
+            side.close()
+        except BaseException as exc:
+            errors[name] = exc
+
+    def reader():
+        try:
+            control, sync = _configs(store.port, job, 1, n_writers, fp8=fp8, apply="in_place")
+            bound = _ahead_layout("reader", 0, n_writers, fp8)
+            side = Reader(bound, control, sync)
+            side.connect()
+            facts["reader"] = (side.ahead, len(side._staging))
+            logs["reader"] = _record_tags(side.transport, "recv")
+            try:
+                side.wait()
+                held["v1"] = {k: t.clone() for k, t in bound.tensors.items()}
+                side.wait()
+            finally:
+                held["after"] = bound.tensors
+                side.close()
+        except BaseException as exc:
+            errors["reader"] = exc
+
+    threads = [threading.Thread(target=writer, args=(r,)) for r in range(n_writers)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=80)
+    assert not any(t.is_alive() for t in threads), errors
+    ahead, staging = facts["reader"]
+    assert len(ahead) == 4 and staging == 4, facts
+    assert set().union(*(facts[f"writer-{r}"][0] for r in range(n_writers))) == ahead, facts
+    n_buckets = facts["writer-0"][1]
+    word = checked_tag(n_buckets)
+
+    # sync 1, bit exact
+    v1 = _ahead_values(1)
+    for k in ("embed.weight", "lm_head.weight"):
+        assert torch.equal(held["v1"][k].view(torch.int16), v1[k].view(torch.int16)), k
+    q, s = quantize_blocks(v1["a.weight"], fp8, impl="torch")
+    assert torch.equal(held["v1"]["a.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(held["v1"]["a.weight_scale_inv"], s)
+
+    # each link: the buckets ahead, the word, the rest; the reader posts in the same order
+    for r in range(n_writers):
+        sent = [tag for _, tag in logs[f"writer-{r}"]]
+        got = [tag for peer, tag in logs["reader"] if peer == r]
+        mine, _, n_ops = facts[f"writer-{r}"]
+        per_sync = sent[: n_ops + 1]  # its buckets and the word
+        assert set(per_sync[: len(mine)]) == mine and per_sync[len(mine)] == word, (r, sent)
+        assert sorted(per_sync[len(mine) + 1 :]) == sorted(set(per_sync) - mine - {word}), sent
+        assert got[: len(sent)] == sent[: len(got)], (r, sent, got)
+
+    if n_writers == 2:
+        assert not errors, errors
+        v2 = _ahead_values(2)
+        for k in ("embed.weight", "lm_head.weight"):
+            assert torch.equal(held["after"][k].view(torch.int16), v2[k].view(torch.int16)), k
+        return
+    # sync 2 failed at the check, after its buckets ahead went out: nothing of it landed
+    assert isinstance(errors.get("writer-0"), ValueError), errors
+    assert "a.weight holds NaN" in str(errors["writer-0"]), errors
+    # the reader learns it from the writer's word (-1) or from the writer's failure
+    reader_error = errors.get("reader")
+    assert isinstance(reader_error, PeerFailure | WeightbusError), errors
+    assert "NaN" in str(reader_error), reader_error
+    second = [tag for _, tag in logs["writer-0"][len(logs["before 2"]) :]]
+    assert second[: len(ahead)] and set(second[: len(ahead)]) == ahead, second
+    assert second[len(ahead) :] == [word], second  # the word, and nothing more
+    for k, before in held["v1"].items():
+        assert torch.equal(held["after"][k].view(torch.uint8), before.view(torch.uint8)), k
+
+
 def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):
     from weightbus._session import _select_transport
     from weightbus.codecs import DeltaConfig, Fp8Config

@@ -25,7 +25,7 @@ from weightbus.errors import (
     WeightbusError,
 )
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
-from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, wire_layout
+from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, sent_ahead, wire_layout
 from weightbus.plan.program import BucketCopier, BucketOp, direct_view
 from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
 from weightbus.transports.base import Program, Transport, transport_class
@@ -48,7 +48,8 @@ class SyncConfig:
     bucket_bytes: int = 64 * MiB
     """Largest bucket: the size of one staging buffer."""
     staging_buffers: int = 4
-    """Staging buffers per participant; staging memory is at most this x bucket_bytes. With
+    """Staging buffers per participant; staging memory is at most this x bucket_bytes (with
+    FP8, a reader has at least as many as buckets are sent to it ahead: ``Fp8Config.ahead``). With
     deltas a buffer holds a window's buckets to one reader (``DeltaConfig.window_bytes``), and
     at most 2 are used, or one per peer where there are more (still at most this many)."""
     cast: Mapping[str, str] = field(default_factory=dict)
@@ -201,6 +202,14 @@ class _Session:
         self._staging: list[torch.Tensor] = []
         self._directory_at: dict[int, torch.Tensor] = {}
         """Deltas: per group (its first bucket), where its directories travel from or land."""
+        self.ahead: frozenset[int] = frozenset()
+        """FP8: the buckets of this participant sent before the writers' check for non-finite
+        weights (:func:`~weightbus.plan.codec_plan.sent_ahead`)."""
+        self._passed = torch.zeros(1, dtype=torch.int64)
+        self._passed_at: dict[int, int] = {}
+        """FP8, per peer with buckets sent ahead: its place in :attr:`_passed`, where the
+        writer's word whether its weights were finite (the version, or -1) travels from or
+        lands."""
         self._device = torch.device("cpu")
         self._seq = 0  # this epoch's syncs: the number in the next sync's topics
         self.syncs = 0
@@ -293,6 +302,15 @@ class _Session:
             self.direct = [self.codec.direct(op) for op in self.ops]
         else:
             self.direct = [direct_view(op, self.bound.tensors) for op in self.ops]
+        # FP8: buckets sent before the writers' check for non-finite weights; readers hold
+        # them in staging (never in place) until their writer's word that they were finite
+        ahead = sent_ahead(plan, codecs)
+        self.ahead = frozenset(op.bucket for op in self.ops if op.bucket in ahead)
+        if self.role == "reader" and self.ahead:
+            self.direct = [
+                None if op.bucket in self.ahead else d
+                for op, d in zip(self.ops, self.direct, strict=True)
+            ]
         # per op: does its link pull (readers copy straight from the writers' tensors)?
         pulls = [self.transport.pulls_from(op.peer_global) for op in self.ops]
         self.pulled = tuple(op for op, p in zip(self.ops, pulls, strict=True) if p)
@@ -319,6 +337,16 @@ class _Session:
             staged = groups
             peers = len({op.peer for op in self.ops})
             n = min(self.config.staging_buffers, max(2, peers), len(staged))
+        if len(self.ahead) > n:
+            # FP8: a reader holds every bucket sent ahead of the writers' check at once
+            logger.info(
+                "%s: %d staging buffers instead of staging_buffers=%d, to hold the buckets "
+                "sent before the writers' check for non-finite weights (Fp8Config.ahead)",
+                self.name,
+                len(self.ahead),
+                self.config.staging_buffers,
+            )
+            n = len(self.ahead)
         largest = max(staged, default=0)
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
         # deltas: each group's directories (the first of its two messages) have a place of
@@ -332,10 +360,17 @@ class _Session:
             op.bucket: area[a : a + g.directories]
             for (op, g), a in zip(starts, at.tolist(), strict=True)
         }
+        # FP8 buckets sent ahead: per peer they go to or come from, the place of the word
+        # whether the writer's weights were finite (the version, or -1)
+        peers = sorted({op.peer for op in self.ops if op.bucket in self.ahead})
+        self._passed_at = {peer: i for i, peer in enumerate(peers)}
+        self._passed = torch.zeros(max(1, len(peers)), dtype=torch.int64, device=device)
         self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
         # deltas: plain groups are sent from the writer's shadow
         shadow = self.codec.send_buffers() if self.role == "writer" and self.codec else []
-        self.transport.register(self._staging + ([area] if starts else []) + shadow)
+        self.transport.register(
+            self._staging + ([area] if starts else []) + shadow + [self._passed]
+        )
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(
             Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)

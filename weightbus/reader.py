@@ -34,7 +34,7 @@ from weightbus._session import SyncResult, _Deadline, _Session
 from weightbus.codecs.delta import Group
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
-from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, rest_tag
+from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, checked_tag, rest_tag
 from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout
 from weightbus.transports.base import Handle
@@ -86,6 +86,10 @@ class Reader(_Session):
         self._verifier: Verifier | None = None
         self._live_ptrs_at_connect: dict[str, int] = {}
         self._commit_keys: list[str] = []
+        self._words: dict[int, Handle] = {}
+        """FP8, this sync: per writer that sent buckets ahead, the receive of its word whether
+        its weights were finite (:meth:`_await_word`), until read."""
+        self._receiving = -1  # the version being received
 
     def connect(self):
         """Connect (see :meth:`_Session.connect`): with ``apply`` transactional, first copy the
@@ -223,11 +227,21 @@ class Reader(_Session):
             if self.codec is not None:
                 total = self._receive_coded(version, deadline, phases)
             ops = () if self.codec is not None else self.pushed
+            self._words, self._receiving = {}, version
+            if self.ahead:
+                # FP8: the buckets sent before the writers' check for non-finite weights come
+                # first (into staging, where they wait for their writer's word), then the
+                # words, then the others in order
+                ops = [x for x in ops if x[0].bucket in self.ahead] + [
+                    x for x in ops if x[0].bucket not in self.ahead
+                ]
             if self.pulled:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.pulled]
                 direct_ops = list(self.pulled)
-            for op, live in ops:
+            for i, (op, live) in enumerate(ops):
+                if i == len(self.ahead):
+                    self._recv_words()
                 if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
                     direct.append(transport.recv(op.peer_global, live, op.bucket))
@@ -241,6 +255,8 @@ class Reader(_Session):
                 staged.append(
                     (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
                 )
+            if self.ahead and len(ops) == len(self.ahead):
+                self._recv_words()  # every bucket went ahead
             while staged:
                 self._unpack_oldest(staged, tensors, phases, deadline)
             t = time.perf_counter()
@@ -317,10 +333,14 @@ class Reader(_Session):
         return result
 
     def _unpack_oldest(self, staged: deque, tensors, phases: dict[str, float], deadline: _Deadline):
-        """Wait for the oldest staged receive, unpack it; return its staging buffer."""
+        """Wait for the oldest staged receive, unpack it; return its staging buffer. A bucket
+        sent ahead of its writer's check for non-finite weights waits for the word that they
+        were finite."""
         handle, op, buf = staged.popleft()
         t = time.perf_counter()
         self.transport.wait([handle], deadline.left())
+        if op.bucket in self.ahead:
+            self._await_word(op.peer, deadline)
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
         self.copier.unpack(op, tensors, buf[: op.nbytes])
@@ -330,6 +350,37 @@ class Reader(_Session):
             self._verifier.add(op, region_views(op, tensors))
             phases["verify"] += time.perf_counter() - t
         return buf
+
+    def _recv_words(self) -> None:
+        """FP8: post the receive of each writer's word whether its weights were finite (after
+        the buckets it sent ahead, before its others)."""
+        assert self.transport is not None and self.plan is not None
+        tag = checked_tag(len(self.plan.buckets))
+        for peer, at in self._passed_at.items():
+            self._words[peer] = self.transport.recv(peer, self._passed[at : at + 1], tag)
+
+    def _await_word(self, peer: int, deadline: _Deadline) -> None:
+        """Wait for writer ``peer``'s word whether its weights were finite, once per sync: it
+        must carry this sync's version (-1: they were not)."""
+        handle = self._words.pop(peer, None)
+        if handle is None:
+            return  # already read
+        assert self.transport is not None and self.plan is not None
+        self.transport.wait([handle], deadline.left())
+        got = int(self._passed[self._passed_at[peer]].item())
+        writer = self.plan.writers[peer].name
+        if got == -1:
+            raise WeightbusError(
+                f"{self.name}: writer {writer!r} found NaN or infinite weights in version "
+                f"{self._receiving} (its own error names them); the buckets it sent before "
+                "its check were not applied"
+            )
+        if got != self._receiving:
+            raise WeightbusError(
+                f"{self.name}: writer {writer!r} said its weights were finite for version "
+                f"{got}, this sync carries {self._receiving}: the two sides run different "
+                "weightbus versions or disagree on the plan"
+            )
 
     def _commit(self) -> None:
         """Transactional: copy the verified version into the engine's tensors."""

@@ -12,7 +12,7 @@ from weightbus._session import Progress, SyncResult, _Deadline, _Session
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
-from weightbus.plan.codec_plan import CodecConfig, WriterCodec, rest_tag
+from weightbus.plan.codec_plan import CodecConfig, WriterCodec, checked_tag, rest_tag
 from weightbus.plan.program import BucketOp
 from weightbus.transports.base import Handle
 from weightbus.verify import Verifier, buffer_views, post_writer, region_views
@@ -215,8 +215,15 @@ class Writer(_Session):
                 held[index[name]] = state.get("holds")
             codec.readers_hold(held, checksum=any(s.get("checksum") for s in states.values()))
             phases["control"] += time.perf_counter() - t
+        ahead = [
+            (op, live)
+            for op, live in zip(self.ops, self.direct, strict=True)
+            if op.bucket in self.ahead
+        ]
         t = time.perf_counter()
-        codec.begin(version)  # FP8: the amax pass and the writers' all-reduce
+        # FP8: the amax pass and the writers' all-reduce; after the first sends where buckets
+        # go ahead of its check (they need no scales), so that they travel beside it
+        codec.begin(version, scales_later=bool(ahead))
         phases["pack"] += time.perf_counter() - t
         self._directories = []
         self._ahead = set()
@@ -226,12 +233,23 @@ class Writer(_Session):
         direct: list[Handle] = []
         verifier = self._verifier
         deltas = codec.encoder is not None
-        for op, live in zip(self.ops, self.direct, strict=True):
+        told = False  # whether the FP8 check for non-finite weights passed
+
+        def post(op: BucketOp, live: torch.Tensor | None, packed=None) -> int:
+            """Send bucket ``op`` (in place, or packed into a staging buffer, with deltas as
+            its group; ``packed``: the buffer it was packed into, and its bytes); return the
+            bytes posted."""
+            nonlocal told
             group = codec.group(op) if deltas else None
-            if live is not None:
-                codec.check()  # FP8: non-finite weights raise before the first send
+            n, buf = 0, None
+            if packed is not None:
+                buf, n = packed
+                staged.append(([transport.send(op.peer_global, buf[:n], op.bucket)], buf))
+            elif live is not None:
+                if not told and op.bucket not in self.ahead:
+                    tell()  # FP8: non-finite weights raise before the first send
                 direct.append(transport.send(op.peer_global, live, op.bucket))
-                sent += op.nbytes
+                n = op.nbytes
             elif not deltas or group is not None:
                 if not free:
                     # deltas: the window's frames are computed while the oldest send drains
@@ -239,22 +257,22 @@ class Writer(_Session):
                     codec.prepare(op)
                     phases["pack"] += time.perf_counter() - t
                     t = time.perf_counter()
-                    handles, buf = staged.popleft()
+                    handles, oldest = staged.popleft()
                     transport.wait(handles, deadline.left())
                     phases["transfer"] += time.perf_counter() - t
-                    free.append(buf)
+                    free.append(oldest)
                 buf = free.popleft()
                 if group is None:
                     t = time.perf_counter()
                     n = codec.pack(op, buf)
-                    codec.check()  # after the first pack was queued behind the amax pass
                     phases["pack"] += time.perf_counter() - t
+                    if not told and op.bucket not in self.ahead:
+                        tell()  # after the first pack was queued behind the amax pass
                     handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
                 else:
                     codec.check()
                     handles, n = self._send_group(op, buf, phases)
                 staged.append((handles, buf))
-                sent += n
             if verifier is not None:
                 # in place: the live bytes; deltas: the shadow, which holds the dense values
                 # the reader must end up with; otherwise the packed bytes (FP8 included)
@@ -267,16 +285,65 @@ class Writer(_Session):
                 t = time.perf_counter()
                 verifier.add(op, sums)
                 phases["verify"] += time.perf_counter() - t
+            return n
+
+        def tell() -> None:
+            """FP8: raise for non-finite weights before any bucket but those sent ahead
+            (without FP8 the check returns at once)."""
+            nonlocal told
+            t = time.perf_counter()
+            codec.check()
+            phases["pack"] += time.perf_counter() - t
+            told = True
+
+        if ahead:
+            # FP8: the buckets that need no scales are packed (on the whole GPU), the amax
+            # pass is queued, and they travel beside it; then every reader sent some learns
+            # from the device whether the weights were finite
+            t = time.perf_counter()
+            packed = {}
+            for op, live in ahead:
+                if live is None and free:
+                    buf = free.popleft()
+                    packed[op.bucket] = (buf, codec.pack(op, buf))
+            started = codec.start_scales()
+            phases["pack"] += time.perf_counter() - t
+            for op, live in ahead:
+                sent += post(op, live, packed.get(op.bucket))
+            t = time.perf_counter()
+            finite = codec.finish_scales(started)
+            phases["pack"] += time.perf_counter() - t
+            self._send_passed(version, finite, direct)
+        done = sum(op.nbytes for op, _ in ahead)
+        for op, live in zip(self.ops, self.direct, strict=True):
+            if op.bucket in self.ahead:
+                continue
+            sent += post(op, live)
             done += op.nbytes
             if progress is not None:
                 progress(done, total)
-        codec.check()  # where nothing was sent, the weights' fault is still this sync's
+        if not told:
+            tell()  # where nothing else was sent, the weights' fault is still this sync's
         codec.end()
         t = time.perf_counter()
         transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         self._directories = []
         return sent
+
+    def _send_passed(self, version: int, finite: torch.Tensor, handles: list[Handle]) -> None:
+        """FP8: tell each reader this writer sent buckets ahead whether its weights were
+        finite (one word: the version if they were, else -1), after those buckets and before
+        the others. The word is written on the device once the amax pass ran (``finite``), so
+        the host sends it without waiting for that pass."""
+        assert self.transport is not None and self.plan is not None
+        if not self._passed_at:
+            return
+        self._passed.fill_(version).masked_fill_(~finite, -1)
+        tag = checked_tag(len(self.plan.buckets))
+        for peer, at in self._passed_at.items():
+            peer_global = len(self.plan.writers) + peer
+            handles.append(self.transport.send(peer_global, self._passed[at : at + 1], tag))
 
     def _send_group(
         self, op: BucketOp, buf: torch.Tensor, phases: dict[str, float]

@@ -119,6 +119,13 @@ class Fp8Config:
     """Lower bound on a block's amax, so that an all-zero block gets a usable scale."""
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     """fnmatch patterns of tensor names that stay in their own dtype."""
+    ahead: int = 4
+    """Buckets to each reader that hold only tensors staying in their own dtype (embeddings,
+    the output head) and travel while the writers' amax pass runs, before its check for
+    non-finite weights: the reader holds them in staging buffers and copies them into its
+    tensors only once the writer says the check passed (a failed sync leaves its tensors as
+    they were). A reader then has at least that many staging buffers, whatever
+    ``SyncConfig.staging_buffers`` says; 0 sends nothing before the check."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", tuple(self.ignore))
@@ -131,6 +138,15 @@ class Fp8Config:
         for p in self.ignore:
             if not isinstance(p, str):
                 raise TypeError(f"ignore entries are fnmatch patterns (str), got {p!r}")
+        if (
+            isinstance(self.ahead, bool)
+            or not isinstance(self.ahead, int)
+            or not 0 <= self.ahead <= 64
+        ):
+            raise ValueError(
+                f"ahead={self.ahead!r} must be an int in [0, 64] (buckets per reader sent "
+                "before the writers' check for non-finite weights)"
+            )
 
     def quantizes(self, spec: TensorSpec) -> bool:
         """Whether tensor ``spec`` travels as FP8 (2-D, floating point, not ignored)."""
@@ -145,7 +161,8 @@ class Fp8Config:
         """Everything both sides must agree on, as one string."""
         return (
             f"fp8/e4m3;block={self.block};scale={self.scale_format};"
-            f"eps={float(np.float32(self.eps)).hex()};ignore={list(self.ignore)}"
+            f"eps={float(np.float32(self.eps)).hex()};ignore={list(self.ignore)};"
+            f"ahead={self.ahead}"
         )
 
 
@@ -646,6 +663,9 @@ class WriterScales:
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         # a deferred check (see :meth:`update`): the device flag, and the tensors it is of
         self._finite: tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None = None
+        self.finite = torch.ones((), dtype=torch.bool, device=device)
+        """Whether the last amax pass found every weight finite: a flag on the device, set
+        in stream order (readers of buckets sent ahead learn it from the writer)."""
         self.tensors: dict[str, torch.Tensor] = {
             scale_name(t): self.flat[self._offset[t] : self._offset[t] + n * m].view(n, m)
             for t, (n, m) in shapes.items()
@@ -751,7 +771,7 @@ class WriterScales:
                 a = block_amax(region, origin=origin, block=block)
                 g = self._cells(t, origin, region.shape)
                 torch.maximum(g, a, out=g)
-        finite = torch.isfinite(self.flat).all()
+        finite = self.finite = torch.isfinite(self.flat).all()
         if defer_check and self.exchange_size == 0:
             self._finite = (finite, tensors)  # read by check(), once more work is queued
             return None

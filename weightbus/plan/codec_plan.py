@@ -42,8 +42,10 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from weightbus._green import amax_sms, partial_stream
 from weightbus.codecs.delta import (
     GROUP_FORMAT,
     DeltaConfig,
@@ -77,8 +79,10 @@ __all__ = [
     "ReaderCodec",
     "WriterCodec",
     "check_codec_layouts",
+    "checked_tag",
     "rest_tag",
     "run_sync",
+    "sent_ahead",
     "wire_layout",
 ]
 
@@ -124,6 +128,34 @@ def rest_tag(op: BucketOp, num_buckets: int) -> int:
     ``op`` starts (its first, the directories, uses ``op.bucket``); ``num_buckets`` is the
     plan's bucket count."""
     return num_buckets + op.bucket
+
+
+def sent_ahead(plan: TransferPlan, codecs: CodecConfig) -> frozenset[int]:
+    """FP8 without deltas: the buckets that travel before the writers' check for non-finite
+    weights (:attr:`~weightbus.codecs.Fp8Config.ahead`), the same on every participant: per
+    reader, its first ``ahead`` buckets in execution order that hold neither FP8 weights nor
+    scales (their bytes need no amax). Readers hold them in staging until their writer's
+    :func:`checked_tag` message says the check passed; empty without FP8, or with deltas."""
+    if codecs.fp8 is None or codecs.delta is not None or codecs.fp8.ahead == 0:
+        return frozenset()
+    coded = np.array(
+        [t.dtype == FP8_DTYPE or t.name.endswith(SCALE_SUFFIX) for t in plan.tensors], bool
+    )
+    routes, buckets = plan.routes, plan.buckets
+    needs_amax = np.zeros(len(buckets), dtype=bool)
+    np.logical_or.at(needs_amax, routes.bucket, coded[routes.tensor])
+    out: list[int] = []
+    for r in range(len(plan.readers)):
+        ids = plan.buckets_of("reader", r)
+        out.extend(ids[~needs_amax[ids]][: codecs.fp8.ahead].tolist())
+    return frozenset(out)
+
+
+def checked_tag(num_buckets: int) -> int:
+    """The tag of the word a writer sends each reader it sent buckets ahead to (see
+    :func:`sent_ahead`): the version if its weights were finite, else -1; ``num_buckets`` is
+    the plan's bucket count (buckets use tags below twice that)."""
+    return 2 * num_buckets
 
 
 def wire_layout(layout: Layout, codecs: CodecConfig) -> Layout:
@@ -259,6 +291,7 @@ class WriterCodec:
             self.policy = DeltaPolicy(codecs.delta, len(plan.readers))
         self._decision: DeltaDecision | None = None
         self._version: int | None = None
+        self._amax_stream: torch.cuda.Stream | None = None
 
     def _prepare(self) -> None:
         """Find every bucket's regions, scale cells and offsets (see the module docstring)."""
@@ -373,17 +406,57 @@ class WriterCodec:
         if self.policy is not None:
             self.policy.request_checksum()
 
-    def begin(self, version: int, *, scales_ready: bool = False) -> None:
+    def begin(
+        self, version: int, *, scales_ready: bool = False, scales_later: bool = False
+    ) -> None:
         """Start the sync of ``version``: FP8 scales (amax pass and the writers' all-reduce,
-        unless ``scales_ready``) and the delta decision."""
+        unless ``scales_ready``, or ``scales_later``: then between :meth:`start_scales` and
+        :meth:`finish_scales`, and only buckets without FP8 content may be packed before) and
+        the delta decision."""
         self._version = int(version)
         self._check_in_place()
-        if self.scales is not None and not scales_ready:
+        if self.scales is not None and not scales_ready and not scales_later:
             self.scales.update(self.live, self.amax_reduce, defer_check=True)
         if self.policy is not None:
             assert self.encoder is not None
             self._decision = self.policy.begin(self._version)
             self.encoder.begin(self._decision)
+
+    def start_scales(self) -> bool:
+        """FP8, after ``begin(..., scales_later=True)``: queue the amax pass where it can run
+        beside the sends queued next on the current stream (on CUDA, on part of the GPU's SMs,
+        :data:`~weightbus._green.AMAX_SMS`: a grid that fills the GPU holds back a kernel
+        queued after it on another stream until its own last blocks have started);
+        :meth:`finish_scales` then makes the current stream wait for it. Returns False where
+        the pass cannot run beside sends (writers that exchange amaxes wait for theirs):
+        :meth:`finish_scales` then does all of it."""
+        assert self.scales is not None
+        self._amax_stream = None
+        if self.scales.exchange_size:
+            return False
+        stream = partial_stream(self.device, amax_sms())
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.scales.partial(self.live, defer_check=True)
+            self._amax_stream = stream
+        else:
+            self.scales.partial(self.live, defer_check=True)
+        return True
+
+    def finish_scales(self, started: bool) -> torch.Tensor:
+        """FP8: the scales of this sync, after :meth:`start_scales` (which returned
+        ``started``); the check for non-finite weights waits for :meth:`check`. Returns the
+        device flag that every weight is finite, in stream order."""
+        assert self.scales is not None
+        if not started:
+            self.scales.update(self.live, self.amax_reduce, defer_check=True)
+            return self.scales.finite
+        if self._amax_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._amax_stream)
+            self._amax_stream = None
+        self.scales.finish(None)
+        return self.scales.finite
 
     def check(self) -> None:
         """FP8: raise for non-finite weights (see ``WriterScales.update``); call before the
