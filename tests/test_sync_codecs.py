@@ -562,6 +562,40 @@ def _record_tags(transport, op: str) -> list[tuple[int, int]]:
     return log
 
 
+def test_fp8_buckets_sent_ahead_are_the_first_ones_without_fp8_content_per_reader():
+    from weightbus import SyncConfig
+    from weightbus._session import _numbered
+    from weightbus.codecs import DeltaConfig, Fp8Config
+    from weightbus.plan import build_program, make_plan
+    from weightbus.plan.codec_plan import CodecConfig, sent_ahead, wire_layout
+
+    for bad in (-1, 65, True, 2.0):
+        with pytest.raises(ValueError, match=r"ahead=.* must be an int in \[0, 64\]"):
+            Fp8Config(ahead=bad)
+    assert Fp8Config(ahead=2).key() != Fp8Config().key()  # agreed at connect
+    for n_writers in (1, 2):
+        for ahead in (0, 2, 4, 64):
+            fp8 = Fp8Config(block=16, ahead=ahead)
+            codecs = CodecConfig(fp8=fp8)
+            writers = [
+                wire_layout(_ahead_layout("writer", r, n_writers).layout, codecs)
+                for r in range(n_writers)
+            ]
+            readers = _numbered([_ahead_layout("reader", 0, n_writers, fp8).layout])
+            sync = SyncConfig(fp8=fp8, bucket_bytes=1 << 20, direct_bytes=4096)
+            plan = make_plan(writers, readers, sync.plan_options())
+            got = sent_ahead(plan, codecs)
+            plain = [
+                op.bucket
+                for op in build_program(plan, "reader", 0)
+                if all(c.tensor in ("embed.weight", "lm_head.weight") for c in op.copies)
+            ]
+            assert len(plain) >= 4, plain  # 2 x 2 MiB in buckets of 1 MiB
+            assert sorted(got) == plain[:ahead], (n_writers, ahead, got, plain)
+            both = CodecConfig(fp8=fp8, delta=DeltaConfig())
+            assert sent_ahead(plan, both) == frozenset()  # deltas send groups, not these
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n_writers", [1, 2])
 def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
