@@ -10,14 +10,12 @@ behind it finished after 0.60 ms with all SMs taken, 0.20 ms with 96.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 
 import torch
 
-__all__ = ["AMAX_SMS", "amax_sms", "on_stream", "partial_stream"]
+__all__ = ["AMAX_SMS", "amax_sms", "partial_stream"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +72,3 @@ def _green_stream(index: int, sms: int) -> torch.cuda.Stream | None:
         return None
     _contexts.append(ctx)
     return stream
-
-
-@contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterator[None]:
-    """Make ``stream`` current, after the work queued so far on the current stream; the
-    current stream then waits for everything queued on it. Nothing when ``stream`` is None."""
-    if stream is None:
-        yield
-        return
-    before = torch.cuda.current_stream(device)
-    stream.wait_stream(before)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        before.wait_stream(stream)

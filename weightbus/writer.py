@@ -221,8 +221,8 @@ class Writer(_Session):
             if op.bucket in self.ahead
         ]
         t = time.perf_counter()
-        # FP8: the amax pass and the writers' all-reduce; after the first sends where buckets
-        # go ahead of its check (they need no scales), so that they travel beside it
+        # FP8: the amax pass and the writers' all-reduce; where buckets go ahead of its check
+        # (they need no scales), it is queued below, once they are packed
         codec.begin(version, scales_later=bool(ahead))
         phases["pack"] += time.perf_counter() - t
         self._directories = []

@@ -123,8 +123,8 @@ class Fp8Config:
     """Buckets to each reader that hold only tensors staying in their own dtype (embeddings,
     the output head) and travel while the writers' amax pass runs, before its check for
     non-finite weights: the reader holds them in staging buffers and copies them into its
-    tensors only once the writer says the check passed (a failed sync leaves its tensors as
-    they were). A reader then has at least that many staging buffers, whatever
+    tensors only once the writer says its weights were finite (a failed sync leaves its
+    tensors as they were). A reader then has at least that many staging buffers, whatever
     ``SyncConfig.staging_buffers`` says; 0 sends nothing before the check."""
 
     def __post_init__(self) -> None:

@@ -135,7 +135,8 @@ def sent_ahead(plan: TransferPlan, codecs: CodecConfig) -> frozenset[int]:
     weights (:attr:`~weightbus.codecs.Fp8Config.ahead`), the same on every participant: per
     reader, its first ``ahead`` buckets in execution order that hold neither FP8 weights nor
     scales (their bytes need no amax). Readers hold them in staging until their writer's
-    :func:`checked_tag` message says the check passed; empty without FP8, or with deltas."""
+    :func:`checked_tag` word says its weights were finite; empty without FP8, or with
+    deltas."""
     if codecs.fp8 is None or codecs.delta is not None or codecs.fp8.ahead == 0:
         return frozenset()
     coded = np.array(
@@ -453,7 +454,10 @@ class WriterCodec:
             self.scales.update(self.live, self.amax_reduce, defer_check=True)
             return self.scales.finite
         if self._amax_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._amax_stream)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._amax_stream)
+            # made on the pass's stream, read on this one: not reused before this one did
+            self.scales.finite.record_stream(current)
             self._amax_stream = None
         self.scales.finish(None)
         return self.scales.finite
