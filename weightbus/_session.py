@@ -195,7 +195,8 @@ class _Session:
         self.pulled: tuple[BucketOp, ...] = ()
         """The ops whose link pulls: the reader copies straight from the writer's tensors."""
         self.pushed: tuple[tuple[BucketOp, torch.Tensor | None], ...] = ()
-        """The other ops, in order, each with its ``direct`` entry: the writer sends them."""
+        """The other ops, each with its ``direct`` entry: the writer sends them. In program
+        order, except that FP8 buckets sent ahead (:attr:`ahead`) come first."""
         self.transport: Transport | None = None
         self.codec = None
         """The codecs' state (WriterCodec / ReaderCodec), or None when none applies here."""
@@ -317,6 +318,12 @@ class _Session:
         self.pushed = tuple(
             (op, d) for op, d, p in zip(self.ops, self.direct, pulls, strict=True) if not p
         )
+        if self.ahead:
+            # FP8: the buckets sent ahead of the writers' check go first on every link, then
+            # the others in order (both sides post the same order)
+            self.pushed = tuple(x for x in self.pushed if x[0].bucket in self.ahead) + tuple(
+                x for x in self.pushed if x[0].bucket not in self.ahead
+            )
         self._live_ptrs = {
             c.key: self.bound.tensors[c.key].data_ptr()
             for op, live, p in zip(self.ops, self.direct, pulls, strict=True)

@@ -227,14 +227,10 @@ class Reader(_Session):
             if self.codec is not None:
                 total = self._receive_coded(version, deadline, phases)
             ops = () if self.codec is not None else self.pushed
+            # FP8: the buckets sent before the writers' check for non-finite weights come
+            # first (into staging, where they wait for their writer's word), then the words,
+            # then the others
             self._words, self._receiving = {}, version
-            if self.ahead:
-                # FP8: the buckets sent before the writers' check for non-finite weights come
-                # first (into staging, where they wait for their writer's word), then the
-                # words, then the others in order
-                ops = [x for x in ops if x[0].bucket in self.ahead] + [
-                    x for x in ops if x[0].bucket not in self.ahead
-                ]
             if self.pulled:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.pulled]

@@ -215,11 +215,8 @@ class Writer(_Session):
                 held[index[name]] = state.get("holds")
             codec.readers_hold(held, checksum=any(s.get("checksum") for s in states.values()))
             phases["control"] += time.perf_counter() - t
-        ahead = [
-            (op, live)
-            for op, live in zip(self.ops, self.direct, strict=True)
-            if op.bucket in self.ahead
-        ]
+        # codecs never pull: every op is pushed, those sent ahead first
+        ahead, rest = self.pushed[: len(self.ahead)], self.pushed[len(self.ahead) :]
         t = time.perf_counter()
         # FP8: the amax pass and the writers' all-reduce; where buckets go ahead of its check
         # (they need no scales), it is queued below, once they are packed
@@ -233,21 +230,19 @@ class Writer(_Session):
         direct: list[Handle] = []
         verifier = self._verifier
         deltas = codec.encoder is not None
-        told = False  # whether the FP8 check for non-finite weights passed
 
         def post(op: BucketOp, live: torch.Tensor | None, packed=None) -> int:
             """Send bucket ``op`` (in place, or packed into a staging buffer, with deltas as
             its group; ``packed``: the buffer it was packed into, and its bytes); return the
             bytes posted."""
-            nonlocal told
             group = codec.group(op) if deltas else None
             n, buf = 0, None
             if packed is not None:
                 buf, n = packed
                 staged.append(([transport.send(op.peer_global, buf[:n], op.bucket)], buf))
             elif live is not None:
-                if not told and op.bucket not in self.ahead:
-                    tell()  # FP8: non-finite weights raise before the first send
+                if op.bucket not in self.ahead:
+                    codec.check()  # FP8: non-finite weights raise before the first send
                 direct.append(transport.send(op.peer_global, live, op.bucket))
                 n = op.nbytes
             elif not deltas or group is not None:
@@ -265,9 +260,9 @@ class Writer(_Session):
                 if group is None:
                     t = time.perf_counter()
                     n = codec.pack(op, buf)
+                    if op.bucket not in self.ahead:
+                        codec.check()  # after the first pack was queued behind the amax pass
                     phases["pack"] += time.perf_counter() - t
-                    if not told and op.bucket not in self.ahead:
-                        tell()  # after the first pack was queued behind the amax pass
                     handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
                 else:
                     codec.check()
@@ -286,15 +281,6 @@ class Writer(_Session):
                 verifier.add(op, sums)
                 phases["verify"] += time.perf_counter() - t
             return n
-
-        def tell() -> None:
-            """FP8: raise for non-finite weights before any bucket but those sent ahead
-            (without FP8 the check returns at once)."""
-            nonlocal told
-            t = time.perf_counter()
-            codec.check()
-            phases["pack"] += time.perf_counter() - t
-            told = True
 
         if ahead:
             # FP8: the buckets that need no scales are packed (on the whole GPU), the amax
@@ -315,15 +301,12 @@ class Writer(_Session):
             phases["pack"] += time.perf_counter() - t
             self._send_passed(version, finite, direct)
         done = sum(op.nbytes for op, _ in ahead)
-        for op, live in zip(self.ops, self.direct, strict=True):
-            if op.bucket in self.ahead:
-                continue
+        for op, live in rest:
             sent += post(op, live)
             done += op.nbytes
             if progress is not None:
                 progress(done, total)
-        if not told:
-            tell()  # where nothing else was sent, the weights' fault is still this sync's
+        codec.check()  # where nothing else was sent, the weights' fault is still this sync's
         codec.end()
         t = time.perf_counter()
         transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())

@@ -661,11 +661,11 @@ class WriterScales:
             total += n * m
         # one buffer for every grid: one finiteness check, one scale conversion, one exchange
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
-        # a deferred check (see :meth:`update`): the device flag, and the tensors it is of
-        self._finite: tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None = None
         self.finite = torch.ones((), dtype=torch.bool, device=device)
         """Whether the last amax pass found every weight finite: a flag on the device, set
         in stream order (readers of buckets sent ahead learn it from the writer)."""
+        # a deferred check of :attr:`finite` (see :meth:`update`): the tensors it is of
+        self._deferred: Mapping[str, torch.Tensor] | None = None
         self.tensors: dict[str, torch.Tensor] = {
             scale_name(t): self.flat[self._offset[t] : self._offset[t] + n * m].view(n, m)
             for t, (n, m) in shapes.items()
@@ -758,7 +758,7 @@ class WriterScales:
         Non-finite weights raise here, or with ``defer_check`` and no exchange, at
         :meth:`check`."""
         block = self.config.block
-        self._finite = None
+        self._deferred = None
         self.flat.zero_()
         if tensors is self._bound and self._amax_table is not None:
             self._amax_table.amax()
@@ -771,11 +771,11 @@ class WriterScales:
                 a = block_amax(region, origin=origin, block=block)
                 g = self._cells(t, origin, region.shape)
                 torch.maximum(g, a, out=g)
-        finite = self.finite = torch.isfinite(self.flat).all()
+        self.finite = torch.isfinite(self.flat).all()
         if defer_check and self.exchange_size == 0:
-            self._finite = (finite, tensors)  # read by check(), once more work is queued
+            self._deferred = tensors  # checked by check(), once more work is queued
             return None
-        if not bool(finite):
+        if not bool(self.finite):
             self._raise_non_finite()
         if self.exchange_size == 0:
             return None
@@ -808,11 +808,11 @@ class WriterScales:
     def check(self) -> None:
         """Raise for non-finite weights, if :meth:`update` deferred that check (a no-op
         otherwise). Waits for the amax pass."""
-        deferred, self._finite = self._finite, None
-        if deferred is not None and not bool(deferred[0]):
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and not bool(self.finite):
             # the scales no longer say which block (ue8m0 turns a NaN into -0): amax again,
             # which raises naming it
-            self.partial(deferred[1])
+            self.partial(deferred)
             raise RuntimeError(
                 f"writer {self.name!r}: the amax pass found NaN or infinite weights, a second "
                 "pass none: were the weights modified during the sync? Sync only between "
