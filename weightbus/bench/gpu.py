@@ -192,7 +192,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         device = torch.device("cuda", gpu)
         wdesc, rdesc, *_ = SCENARIOS[args.scenario]
         transport = args.scenario_transport or args.transport
-        codecs = _scenario_codecs(args.scenario, args.fp8_block, args.window_mb)
+        codecs = _scenario_codecs(args.scenario, args.fp8_block, args.window_mb, args.fp8_ahead)
         if codecs and not args.scenario_transport:
             transport = "nccl"
         model = model_spec(args.model, dtype="bfloat16")
@@ -339,13 +339,17 @@ class _Profile:
         return False
 
 
-def _scenario_codecs(scenario: str, fp8_block: int = 128, window_mb: int | None = None) -> dict:
-    """SyncConfig codec fields of a scenario: S6 FP8, S7 deltas (checksums only on request;
-    windows of ``window_mb`` MiB, default DeltaConfig's)."""
+def _scenario_codecs(
+    scenario: str, fp8_block: int = 128, window_mb: int | None = None, fp8_ahead: int | None = None
+) -> dict:
+    """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
+    ahead of the check, default Fp8Config's), S7 deltas (checksums only on request; windows of
+    ``window_mb`` MiB, default DeltaConfig's)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
-        return {"fp8": Fp8Config(block=fp8_block)}
+        ahead = {} if fp8_ahead is None else {"ahead": fp8_ahead}
+        return {"fp8": Fp8Config(block=fp8_block, **ahead)}
     if scenario == "S7":
         window = {} if window_mb is None else {"window_bytes": window_mb << 20}
         return {"delta": DeltaConfig(checksum_every=0, **window)}
@@ -596,6 +600,13 @@ def main(argv: list[str] | None = None) -> int:
         help="S6: FP8 block side (default 128; small models need 32: fused parts start there)",
     )
     p.add_argument(
+        "--fp8-ahead",
+        type=int,
+        default=None,
+        help="S6: buckets per reader sent ahead of the writer's check (default: Fp8Config's; "
+        "each takes a staging buffer of the reader)",
+    )
+    p.add_argument(
         "--window-mb",
         type=int,
         default=None,
@@ -609,6 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not 0.0 <= a.changed <= 1.0:
         p.error(f"--changed {a.changed}: a fraction of the elements, in [0, 1]")
+    try:  # the codecs' own checks, before any process starts
+        _scenario_codecs("S6", a.fp8_block, fp8_ahead=a.fp8_ahead)
+        _scenario_codecs("S7", window_mb=a.window_mb)
+    except ValueError as exc:
+        p.error(f"--fp8-block / --fp8-ahead / --window-mb: {exc}")
     import torch
 
     from weightbus.layouts.families import model_spec
@@ -753,6 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
         if sname == "S6":
             entry["fp8_tensors_wire_fraction"] = round(_fp8_fraction(model, a.fp8_block), 4)
+            entry["fp8_ahead"] = _scenario_codecs("S6", fp8_ahead=a.fp8_ahead)["fp8"].ahead
             r0 = res[("reader-0", 0)]
             entry["equal_to_quantization"] = r0["equal_to_quantization"]
             entry["error_over_fp8_bound"] = r0["error_over_bound"]
