@@ -620,11 +620,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not 0.0 <= a.changed <= 1.0:
         p.error(f"--changed {a.changed}: a fraction of the elements, in [0, 1]")
-    try:  # the codecs' own checks, before any process starts
-        _scenario_codecs("S6", a.fp8_block, fp8_ahead=a.fp8_ahead)
-        _scenario_codecs("S7", window_mb=a.window_mb)
-    except ValueError as exc:
-        p.error(f"--fp8-block / --fp8-ahead / --window-mb: {exc}")
+    # the codecs' own checks, before any process starts
+    for flags, scenario in (("--fp8-block / --fp8-ahead", "S6"), ("--window-mb", "S7")):
+        try:
+            _scenario_codecs(scenario, a.fp8_block, a.window_mb, a.fp8_ahead)
+        except ValueError as exc:
+            p.error(f"{flags}: {exc}")
     import torch
 
     from weightbus.layouts.families import model_spec
