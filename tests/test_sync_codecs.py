@@ -629,6 +629,7 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
             side = Writer(bound, control, sync)
             side.connect()
             facts[name] = (side.ahead, len(side.plan.buckets), len(side.ops))
+            facts[f"{name} staging"] = len(side._staging)
             logs[name] = _record_tags(side.transport, "send")
             for version in (1, 2):
                 for k, v in _ahead_values(version).items():
@@ -674,6 +675,9 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
     ahead, staging = facts["reader"]
     assert len(ahead) == 4 and staging == 4, facts
     assert set().union(*(facts[f"writer-{r}"][0] for r in range(n_writers))) == ahead, facts
+    # a writer keeps its configured buffers: it packs the buckets ahead that fit before the
+    # amax pass, the others as sends free them (one writer: 4 buckets ahead, 2 buffers)
+    assert all(facts[f"writer-{r} staging"] <= 2 for r in range(n_writers)), facts
     n_buckets = facts["writer-0"][1]
     word = checked_tag(n_buckets)
 

@@ -344,8 +344,10 @@ class _Session:
             staged = groups
             peers = len({op.peer for op in self.ops})
             n = min(self.config.staging_buffers, max(2, peers), len(staged))
-        if len(self.ahead) > n:
-            # FP8: a reader holds every bucket sent ahead of the writers' check at once
+        if self.role == "reader" and len(self.ahead) > n:
+            # FP8: a reader holds every bucket sent ahead of the writers' check at once (a
+            # writer packs those that fit in its buffers before the amax pass, the others as
+            # buffers free up: it need not take one per bucket of every reader)
             logger.info(
                 "%s: %d staging buffers instead of staging_buffers=%d, to hold the buckets "
                 "sent before the writers' check for non-finite weights (Fp8Config.ahead)",
