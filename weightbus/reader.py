@@ -86,10 +86,6 @@ class Reader(_Session):
         self._verifier: Verifier | None = None
         self._live_ptrs_at_connect: dict[str, int] = {}
         self._commit_keys: list[str] = []
-        self._words: dict[int, Handle] = {}
-        """FP8, this sync: per writer that sent buckets ahead, the receive of its word whether
-        its weights were finite (:meth:`_await_word`), until read."""
-        self._receiving = -1  # the version being received
 
     def connect(self):
         """Connect (see :meth:`_Session.connect`): with ``apply`` transactional, first copy the
@@ -229,15 +225,15 @@ class Reader(_Session):
             ops = () if self.codec is not None else self.pushed
             # FP8: the buckets sent before the writers' check for non-finite weights come
             # first (into staging, where they wait for their writer's word), then the words,
-            # then the others
-            self._words, self._receiving = {}, version
+            # then the others; per writer that sent some, the receive of its word until read
+            words: dict[int, Handle] = {}
             if self.pulled:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.pulled]
                 direct_ops = list(self.pulled)
             for i, (op, live) in enumerate(ops):
                 if i == len(self.ahead):
-                    self._recv_words()
+                    words = self._recv_words()
                 if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
                     direct.append(transport.recv(op.peer_global, live, op.bucket))
@@ -246,15 +242,17 @@ class Reader(_Session):
                 if not free:
                     # only the oldest staged receive frees a buffer; in-place receives on other
                     # links go on meanwhile
-                    free.append(self._unpack_oldest(staged, tensors, phases, deadline))
+                    free.append(
+                        self._unpack_oldest(staged, tensors, phases, deadline, words, version)
+                    )
                 buf = free.popleft()
                 staged.append(
                     (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
                 )
             if self.ahead and len(ops) == len(self.ahead):
-                self._recv_words()  # every bucket went ahead
+                words = self._recv_words()  # every bucket went ahead
             while staged:
-                self._unpack_oldest(staged, tensors, phases, deadline)
+                self._unpack_oldest(staged, tensors, phases, deadline, words, version)
             t = time.perf_counter()
             transport.wait(direct, deadline.left())
             phases["transfer"] += time.perf_counter() - t
@@ -328,15 +326,23 @@ class Reader(_Session):
             self.on_version(result)
         return result
 
-    def _unpack_oldest(self, staged: deque, tensors, phases: dict[str, float], deadline: _Deadline):
+    def _unpack_oldest(
+        self,
+        staged: deque,
+        tensors,
+        phases: dict[str, float],
+        deadline: _Deadline,
+        words: dict[int, Handle],
+        version: int,
+    ):
         """Wait for the oldest staged receive, unpack it; return its staging buffer. A bucket
         sent ahead of its writer's check for non-finite weights waits for the word that they
-        were finite."""
+        were finite (the receives in ``words``, per writer, of the sync of ``version``)."""
         handle, op, buf = staged.popleft()
         t = time.perf_counter()
         self.transport.wait([handle], deadline.left())
         if op.bucket in self.ahead:
-            self._await_word(op.peer, deadline)
+            self._await_word(op.peer, words, version, deadline)
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
         self.copier.unpack(op, tensors, buf[: op.nbytes])
@@ -347,18 +353,22 @@ class Reader(_Session):
             phases["verify"] += time.perf_counter() - t
         return buf
 
-    def _recv_words(self) -> None:
+    def _recv_words(self) -> dict[int, Handle]:
         """FP8: post the receive of each writer's word whether its weights were finite (after
-        the buckets it sent ahead, before its others)."""
+        the buckets it sent ahead, before its others); return them per writer."""
         assert self.transport is not None and self.plan is not None
         tag = checked_tag(len(self.plan.buckets))
-        for peer, at in self._passed_at.items():
-            self._words[peer] = self.transport.recv(peer, self._passed[at : at + 1], tag)
+        return {
+            peer: self.transport.recv(peer, self._passed[at : at + 1], tag)
+            for peer, at in self._passed_at.items()
+        }
 
-    def _await_word(self, peer: int, deadline: _Deadline) -> None:
-        """Wait for writer ``peer``'s word whether its weights were finite, once per sync: it
-        must carry this sync's version (-1: they were not)."""
-        handle = self._words.pop(peer, None)
+    def _await_word(
+        self, peer: int, words: dict[int, Handle], version: int, deadline: _Deadline
+    ) -> None:
+        """Wait for writer ``peer``'s word whether its weights were finite (its receive in
+        ``words``, taken out once read): it must carry ``version`` (-1: they were not)."""
+        handle = words.pop(peer, None)
         if handle is None:
             return  # already read
         assert self.transport is not None and self.plan is not None
@@ -368,13 +378,13 @@ class Reader(_Session):
         if got == -1:
             raise WeightbusError(
                 f"{self.name}: writer {writer!r} found NaN or infinite weights in version "
-                f"{self._receiving} (its own error names them); the buckets it sent before "
+                f"{version} (its own error names them); the buckets it sent before "
                 "its check were not applied"
             )
-        if got != self._receiving:
+        if got != version:
             raise WeightbusError(
                 f"{self.name}: writer {writer!r} said its weights were finite for version "
-                f"{got}, this sync carries {self._receiving}: the two sides run different "
+                f"{got}, this sync carries {version}: the two sides run different "
                 "weightbus versions or disagree on the plan"
             )
 
