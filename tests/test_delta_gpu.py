@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tests.procs import collect_reports
 from tests.test_codec_delta import (
     TENSORS,
+    aligned_routes_case,
     assert_exact,
     change,
     damaged_index_case,
@@ -57,6 +58,11 @@ def test_kernels_equal_the_torch_path(seed, window, shadow, block, monkeypatch):
     assert not _delta_triton.INTERPRETED
     monkeypatch.setattr(_delta_triton, "BLOCK", block)
     kernels_equal_torch(seed, "cuda", window, host_copy=False, shadow=shadow)
+
+
+def test_aligned_routes_take_the_aligned_compare():
+    """On the GPU a wrong alignment hint would load wrong bytes or fault."""
+    aligned_routes_case("cuda")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
