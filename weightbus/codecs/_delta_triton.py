@@ -71,15 +71,18 @@ COPY_IN = (1, 4)
 # addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
 # least half a tile); tiles over its flat element order (narrow rows, any strides)
 CONTIG, ROWS, FLAT = 0, 1, 2
-ALIGNED = 3
+ALIGNED, ALIGNED_ROWS = 3, 4
 _ALIGNED: tl.constexpr = tl.constexpr(ALIGNED)
-"""The addressing mode of a writer's contiguous routes whose new values and shadow bytes
-start at 16-byte boundaries and whose element counts are multiples of 16 (those of a window
-whose shadow bytes and scratch do too take it: :meth:`WindowTable.compare`). The compare
-pass then tells the compiler so, which lets it move 16 bytes a load or store instead of one
-element: on an H200, 2 GiB of bf16 in 64 routes at 1% changed, 1.24 ms a pass against 1.71
+_ALIGNED_ROWS: tl.constexpr = tl.constexpr(ALIGNED_ROWS)
+"""The addressing modes of a writer's CONTIG routes, and of its ROWS routes whose rows are
+contiguous, when their new values and shadow bytes start at 16-byte boundaries and their
+element counts (per row) and row strides are multiples of 16 (in a window whose shadow bytes
+and scratch start at such boundaries too: :meth:`WindowTable.compare`). The compare pass then
+tells the compiler so, which lets it move 16 bytes a load or store instead of one element:
+on an H200, 2 GiB of bf16 in 64 contiguous routes at 1% changed, 1.24 ms a pass against 1.71
 (and 1.59 against 1.82 when it brings the shadow up to date), the same bytes out. The emit
-pass, which reads changed elements a few at a time, takes them as CONTIG."""
+pass, which reads changed elements a few at a time, takes them as CONTIG and ROWS."""
+_UNALIGNED = {ALIGNED: CONTIG, ALIGNED_ROWS: ROWS}
 
 # writer route row (int64): new values' address (or offset in the window's scratch), 1 if
 # in scratch, shadow offset (bytes, in the window's shadow bytes), first tile, elements, tiles
@@ -167,21 +170,34 @@ def _regions(row, work_ptr, scratch_ptr, T: tl.constexpr):
 
 @triton.jit
 def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr, g,
-                     T: tl.constexpr, UPDATE: tl.constexpr, COUNT: tl.constexpr,
-                     BLOCK: tl.constexpr):  # fmt: skip
-    """Compare tile ``g`` of an ALIGNED route, telling the compiler that its new and previous
-    values start at 16-byte boundaries and that the route's element count is a multiple of
-    16, so that it loads (and stores) 16 bytes at a time. Bringing the shadow up to date then
-    writes the whole tile, 16 bytes at a time, rather than each changed element alone (the
-    same bytes where nothing changed)."""
+                     T: tl.constexpr, ROWS_: tl.constexpr, UPDATE: tl.constexpr,
+                     COUNT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Compare tile ``g`` of an ALIGNED (or, ``ROWS_``, ALIGNED_ROWS) route, telling the
+    compiler that the tile's new and previous values start at 16-byte boundaries and that
+    the elements it may take (of the route, or of its row) are a multiple of 16, so that it
+    loads (and stores) 16 bytes at a time. Bringing the shadow up to date then writes the
+    whole tile, 16 bytes at a time, rather than each changed element alone (the same bytes
+    where nothing changed)."""
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
-    # the tile's first element: its place in the route, then pointers to it on both sides
-    at = (g - tl.load(row + 3)) * BLOCK
+    t = g - tl.load(row + 3)
     new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
-    new_ptr = tl.multiple_of(new_ptr + at, 16)
-    old_ptr = tl.multiple_of(old_ptr + at, 16)
+    # the tile's first element on both sides, and how many elements from there it may take
+    if ROWS_:  # rows of unit stride: a tile lies in one row
+        tpr = tl.load(row + 5)
+        ncols = tl.load(row + 8)
+        rr = t // tpr
+        c = (t - rr * tpr) * BLOCK
+        new_ptr = new_ptr + _lead(row + 8, rr) + c
+        old_ptr = old_ptr + rr * ncols + c
+        left = ncols - c
+    else:
+        new_ptr = new_ptr + t * BLOCK
+        old_ptr = old_ptr + t * BLOCK
+        left = tl.load(row + 4) - t * BLOCK
+    new_ptr = tl.multiple_of(new_ptr, 16)
+    old_ptr = tl.multiple_of(old_ptr, 16)
     j = tl.arange(0, BLOCK)
-    valid = j < tl.multiple_of(tl.load(row + 4) - at, 16)
+    valid = j < tl.multiple_of(left, 16)
     new = tl.load(new_ptr + j, mask=valid, other=0)
     old = tl.load(old_ptr + j, mask=valid, other=0)
     c = (valid & (new != old)).to(tl.int32)
@@ -215,10 +231,11 @@ def _compare_kernel(
     R: tl.constexpr,
 ):
     """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits)."""
-    if MODE == _ALIGNED:
+    if MODE == _ALIGNED or MODE == _ALIGNED_ROWS:
         tl.static_assert(R == 1, "ALIGNED routes: one tile a program")
         _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr,
-                         first + tl.program_id(0).to(tl.int64), T, UPDATE, COUNT, BLOCK)  # fmt: skip
+                         first + tl.program_id(0).to(tl.int64), T, MODE == _ALIGNED_ROWS,
+                         UPDATE, COUNT, BLOCK)  # fmt: skip
         return
     g, live, row = _tiles(tiles_ptr, routes_ptr, first, n, R)
     rr = row[:, None]
@@ -514,15 +531,30 @@ def region_mode(x: torch.Tensor, block: int = BLOCK) -> int | None:
     return ROWS if dims[-1][0] >= block // 2 else FLAT
 
 
+def _aligned_mode(mode: int, dims: list[tuple[int, int]], addr: int, old_at: int, numel: int):
+    """ALIGNED or ALIGNED_ROWS for a route of ``mode`` (its region's collapsed ``dims``, the
+    address or scratch offset of its new values and its shadow offset) that qualifies, else
+    ``mode``: 16-byte boundaries, and multiples of 16 elements per route or row and per row
+    stride (so that every row starts at such a boundary, whatever the element size)."""
+    if addr % 16 or old_at % 16:
+        return mode
+    if mode == CONTIG and numel % 16 == 0:
+        return ALIGNED
+    (ncols, step), lead = dims[-1], dims[:-1]
+    if mode == ROWS and step == 1 and ncols % 16 == 0 and all(s % 16 == 0 for _, s in lead):
+        return ALIGNED_ROWS
+    return mode
+
+
 def _compare_shape(mode: int) -> tuple[int, int]:
     """Tiles a program and warps of a compare launch in addressing mode ``mode``."""
-    return (1, COMPARE[1]) if mode == ALIGNED else COMPARE
+    return (1, COMPARE[1]) if mode in _UNALIGNED else COMPARE
 
 
 def _emit_mode(mode: int) -> int:
-    """The emit pass's addressing mode for a launch group's: ALIGNED routes are CONTIG there
-    (it reads the changed elements where they are, a few at a time)."""
-    return CONTIG if mode == ALIGNED else mode
+    """The emit pass's addressing mode for a launch group's: ALIGNED routes are CONTIG there,
+    ALIGNED_ROWS ones ROWS (it reads the changed elements where they are, a few at a time)."""
+    return _UNALIGNED.get(mode, mode)
 
 
 def _device_context(device: torch.device):
@@ -571,11 +603,10 @@ class WindowTable:
                     f"route {slot}: a region of shape {tuple(new.shape)} and strides "
                     f"{tuple(new.stride())} has more than 4 dims that do not merge"
                 )
-            if mode == CONTIG and addr % 16 == 0 and old_at % 16 == 0 and numel % 16 == 0:
-                mode = ALIGNED
             ncols = dims[-1][0]
             tpr = -(-ncols // block)
             tiles = (numel // ncols) * tpr if mode == ROWS else -(-numel // block)
+            mode = _aligned_mode(mode, dims, addr, old_at, numel)
             row = [addr, filled, old_at, 0, numel, tpr, slot, 0, *_dims_row(dims)]
             rows.append(((isz, mode), tiles, row, slot))
         rows.sort(key=lambda r: r[0])  # stable: route order within a group
@@ -616,7 +647,7 @@ class WindowTable:
             for isz, mode, first, n in self.groups:
                 # (counts and bitmask: the shadow's bytes where a pass has none)
                 for update, count, counts, bits in ((1, 0, b, b), (1, 1, i, b), (0, 1, i, i)):
-                    for m in (mode, CONTIG) if mode == ALIGNED else (mode,):
+                    for m in (mode, _UNALIGNED[mode]) if mode in _UNALIGNED else (mode,):
                         r, warps = _compare_shape(m)
                         _compare_kernel.warmup(
                             self._owner, self._routes, b, b, counts, bits, first, n,
@@ -659,7 +690,7 @@ class WindowTable:
         aligned = work.data_ptr() % 16 == 0 and scratch.data_ptr() % 16 == 0
         with _device_context(self.device), on:
             for isz, mode, first, n in self.groups:
-                mode = CONTIG if mode == ALIGNED and not aligned else mode
+                mode = mode if aligned else _UNALIGNED.get(mode, mode)
                 r, warps = _compare_shape(mode)
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, counts, bits, first, n,
