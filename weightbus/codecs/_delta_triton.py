@@ -80,8 +80,9 @@ element counts (per row) and row strides are multiples of 16 (in a window whose 
 and scratch start at such boundaries too: :meth:`WindowTable.compare`). The compare pass then
 tells the compiler so, which lets it move 16 bytes a load or store instead of one element:
 on an H200, 2 GiB of bf16 in 64 contiguous routes at 1% changed, 1.24 ms a pass against 1.71
-(and 1.59 against 1.82 when it brings the shadow up to date), the same bytes out. The emit
-pass, which reads changed elements a few at a time, takes them as CONTIG and ROWS."""
+(and 1.59 against 1.82 when it brings the shadow up to date), the same bytes out; as the
+column halves of a [rows, 8192] tensor, 1.64-1.69 ms against 4.0 (1.76-1.79 against 3.9).
+The emit pass, which reads changed elements a few at a time, takes them as CONTIG and ROWS."""
 _UNALIGNED = {ALIGNED: CONTIG, ALIGNED_ROWS: ROWS}
 
 # writer route row (int64): new values' address (or offset in the window's scratch), 1 if
