@@ -187,10 +187,10 @@ def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, b
         tpr = tl.load(row + 5)
         ncols = tl.load(row + 8)
         rr = t // tpr
-        c = (t - rr * tpr) * BLOCK
-        new_ptr = new_ptr + _lead(row + 8, rr) + c
-        old_ptr = old_ptr + rr * ncols + c
-        left = ncols - c
+        c0 = (t - rr * tpr) * BLOCK
+        new_ptr = new_ptr + _lead(row + 8, rr) + c0
+        old_ptr = old_ptr + rr * ncols + c0
+        left = ncols - c0
     else:
         new_ptr = new_ptr + t * BLOCK
         old_ptr = old_ptr + t * BLOCK
