@@ -552,9 +552,11 @@ def _compare_shape(mode: int) -> tuple[int, int]:
     return (1, COMPARE[1]) if mode in _UNALIGNED else COMPARE
 
 
-def _emit_mode(mode: int) -> int:
-    """The emit pass's addressing mode for a launch group's: ALIGNED routes are CONTIG there,
-    ALIGNED_ROWS ones ROWS (it reads the changed elements where they are, a few at a time)."""
+def _unaligned(mode: int) -> int:
+    """A launch group's addressing mode without the alignment promise: CONTIG for ALIGNED,
+    ROWS for ALIGNED_ROWS. The emit pass always takes it (it reads the changed elements
+    where they are, a few at a time), the compare pass where the window's buffers are off
+    16-byte boundaries."""
     return _UNALIGNED.get(mode, mode)
 
 
@@ -648,7 +650,7 @@ class WindowTable:
             for isz, mode, first, n in self.groups:
                 # (counts and bitmask: the shadow's bytes where a pass has none)
                 for update, count, counts, bits in ((1, 0, b, b), (1, 1, i, b), (0, 1, i, i)):
-                    for m in (mode, _UNALIGNED[mode]) if mode in _UNALIGNED else (mode,):
+                    for m in {mode, _unaligned(mode)}:
                         r, warps = _compare_shape(m)
                         _compare_kernel.warmup(
                             self._owner, self._routes, b, b, counts, bits, first, n,
@@ -659,7 +661,7 @@ class WindowTable:
                     r, warps = EMIT_STEPS if steps else EMIT_LANES
                     _emit_kernel.warmup(
                         self._owner, self._routes, b, b, q, i, q, b, first, n,
-                        T=_INT[isz], MODE=_emit_mode(mode), BLOCK=self.block, ASM=True,
+                        T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
                         STEPS=steps, R=r, num_warps=warps, grid=(1,),
                     )  # fmt: skip
 
@@ -691,7 +693,7 @@ class WindowTable:
         aligned = work.data_ptr() % 16 == 0 and scratch.data_ptr() % 16 == 0
         with _device_context(self.device), on:
             for isz, mode, first, n in self.groups:
-                mode = mode if aligned else _UNALIGNED.get(mode, mode)
+                mode = mode if aligned else _unaligned(mode)
                 r, warps = _compare_shape(mode)
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, counts, bits, first, n,
@@ -727,7 +729,7 @@ class WindowTable:
             for isz, mode, first, n in self.groups:
                 _emit_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
-                    T=_INT[isz], MODE=_emit_mode(mode), BLOCK=self.block, ASM=not INTERPRETED,
+                    T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
                     STEPS=steps, R=r, num_warps=warps,
                 )  # fmt: skip
 

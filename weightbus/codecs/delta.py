@@ -641,15 +641,15 @@ class _Window:
     """One window of the current sync, from its compare pass until its last bucket is packed."""
 
     __slots__ = (
-        "count", "dense", "encoded", "event", "launched", "lay", "meta", "scratch", "spans",
+        "dense", "encoded", "event", "guess", "launched", "lay", "meta", "scratch", "spans",
         "state", "store", "work",
     )  # fmt: skip
 
-    def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool, count: bool) -> None:
-        self.lay, self.work, self.dense, self.count = lay, work, dense, count
+    def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool, guess: bool) -> None:
+        self.lay, self.work, self.dense, self.guess = lay, work, dense, guess
         """``work``: the shadow's bytes of the window (the shadow itself, or a device copy of
         a host shadow's); ``dense``: every bucket goes to readers that get dense bytes;
-        ``count``: sent dense on a guess, its changes only counted."""
+        ``guess``: sent dense on a guess, its changes only counted."""
         self.launched = False
         """Whether its compare pass was launched (a dense window's directories may be laid
         out before)."""
@@ -1007,7 +1007,7 @@ class DeltaEncoder:
     def _launch(self, w: int, win: _Window) -> None:
         """Fill the window's computed buckets and launch its compare pass (no waiting)."""
         lay = win.lay
-        guess = win.count
+        guess = win.guess
         win.launched = True
         if lay.scratch_bytes:
             win.scratch = torch.empty(lay.scratch_bytes, dtype=torch.uint8, device=self.device)
