@@ -1267,6 +1267,40 @@ def test_interp_addressing_modes():
 
 
 @interpreted
+def test_interp_flat_routes_with_extents_the_kernels_cannot_divide_are_refused():
+    from weightbus.codecs._delta_triton import WindowTable
+
+    # rows of 4 elements, 2^30 of them (a view: no memory behind the extent)
+    wide = torch.zeros(8).as_strided((1 << 30, 4), (0, 1))
+    with pytest.raises(ValueError, match=r"route 1: .*\(1073741824, 4\).*2\^30"):
+        WindowTable(
+            [(torch.zeros(64), (64,), 4, 64, 0, 0), (wide, (1 << 30, 4), 4, 1 << 32, 0, 256)], "cpu"
+        )
+
+
+@pytest.mark.parametrize("block", [2048, 1 << 20])
+def test_flat_row_by_float_reciprocal_is_exact(block):
+    """The compare and emit kernels find the row of a FLAT route's element within its tile as
+    ``(x + 0.5) * (1 / n3)`` in float32, truncated (``_flat_at``): equal to ``x // n3`` for
+    every row length of such routes (below half a tile) and every ``x`` they compute (below
+    n3 + BLOCK), even with the reciprocal 2 units in the last place off (a GPU's division
+    may be approximate)."""
+    lengths = np.unique(np.r_[np.arange(1, min(block // 2, 1100)), block // 2 - np.arange(1, 64)])
+    for n3 in lengths:
+        x = np.arange(0, int(n3) + block, dtype=np.int64)
+        if len(x) > 1 << 16:  # the ends, where the quotient is largest, and a sample
+            x = np.r_[x[:4096], x[-4096:], x[:: len(x) // 4096]]
+        xf = x.astype(np.float32) + np.float32(0.5)
+        rec = np.float32(1) / np.float32(n3)
+        for ulps in (-2, -1, 0, 1, 2):
+            r = rec
+            for _ in range(abs(ulps)):
+                r = np.nextafter(r, np.float32(np.sign(ulps) * np.inf), dtype=np.float32)
+            q = (xf * r).astype(np.int64)  # (truncation: the values are positive)
+            assert np.array_equal(q, x // n3), (n3, ulps)
+
+
+@interpreted
 def test_interp_resharding_syncs_are_bit_exact_and_equal_the_torch_path():
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=3, window_bytes=6000))
     runs = {}

@@ -13,16 +13,23 @@ Writer, per window (:class:`WindowTable`):
 1. compare: per tile, the raw bits of the new values against the shadow's (integers of the
    element's width, so NaN payloads and ``-0.0`` compare exactly), the count of changed
    elements and a bitmask of them (16 bytes a load for routes known to be aligned:
-   :data:`ALIGNED`);
+   :data:`ALIGNED`); and the changed elements into the shadow, which then equals the new
+   values (:data:`WHOLE_ABOVE`);
 2. a cumsum over the tiles' counts and one small device-to-host copy: each route's count;
 3. emit, after the host chose each route's frame (a plan row per route): the changed elements'
-   indices and values into the route's sparse frame, or all its values into a dense frame, and
-   in every case the changed elements into the shadow (the shadow then equals the new values).
+   indices and values into the route's sparse frame, or all its values into a dense frame.
    Outside dense frames it visits the changed elements only, by the bitmask's words: one step
    per set bit of the word that has the most, each step taking every word's lowest one. A
    program then takes several tiles at once: each tile's work is a chain of dependent reads
    (its route's row, its plan row, its words, its elements), whose latency, not bandwidth,
    bounds a pass that touches 1% of the elements.
+
+The shadow is written by the compare pass, where the changed elements' bytes were just read,
+rather than by the emit pass, whose scattered 2-byte stores each made the memory read and
+write back a whole sector: on an H200, 2 GiB of bf16 in 64 contiguous routes at 1% changed,
+compare and emit take 1.39 and 0.73 ms (2.13 together) against 1.23 and 1.25 before; as the
+column halves of a [rows, 8192] tensor 2.93 against 4.85 ms, at 3% changed 2.38 and 3.27
+against 3.09 and 5.77 (the emit changes below included).
 
 A window whose readers all get dense bytes needs no counts: one pass writes the changed
 elements into the shadow.
@@ -59,8 +66,17 @@ Measured on an H200, 1 GiB of bf16 in 32 routes (steps, 4 tiles a program, again
 COMPARE = (1, 8)
 """Tiles per program and warps of the compare pass (on an H200, 2 tiles a program or 4 or
 16 warps were slower)."""
-EMIT_STEPS = (4, 4)
-"""Tiles per program and warps of the emit pass, step by step."""
+WHOLE_ABOVE = 1 / 16
+"""The compare pass writes a tile's changed elements into the shadow one at a time or, where
+more than this fraction of its elements changed, the whole tile (16 bytes a store where
+aligned; the same bytes where nothing changed). On an H200, 2 GiB of bf16 in 64 aligned
+routes: 1.39 ms a pass at 1% changed (1.74 writing every tile whole), 1.67 at 50% (3.70
+writing the changed elements one at a time); 1/32 and 1/8 within 0.05 ms of it."""
+EMIT_STEPS = (8, 4)
+"""Tiles per program and warps of the emit pass, step by step (on an H200, 2 GiB of bf16 in
+64 routes: 0.81 ms at 1% changed and 0.90 at 3% in contiguous routes, against 0.78 and 0.98
+for 4 tiles; as column halves of a [rows, 8192] tensor 1.26 and 1.53 against 1.66 and 2.10;
+8 warps, or 2 tiles, slower in all)."""
 EMIT_LANES = (1, 4)
 """Tiles per program (one) and warps of the emit pass, a lane per element."""
 COPY_IN = (1, 4)
@@ -84,6 +100,13 @@ on an H200, 2 GiB of bf16 in 64 contiguous routes at 1% changed, 1.24 ms a pass 
 column halves of a [rows, 8192] tensor, 1.64-1.69 ms against 4.0 (1.76-1.79 against 3.9).
 The emit pass, which reads changed elements a few at a time, takes them as CONTIG and ROWS."""
 _UNALIGNED = {ALIGNED: CONTIG, ALIGNED_ROWS: ROWS}
+EMIT_TOGETHER = {CONTIG: 2, ROWS: 3, FLAT: 2}
+"""Per addressing mode, how many of the emit pass's first steps load their elements together,
+so that their latencies overlap (at 1% changed, most words hold at most 2 or 3). On an
+H200, 2 GiB of bf16 in 64 routes at 1% changed, 8 tiles a program: contiguous routes 0.81
+ms (0.84 with 3 together); as column halves of a [rows, 8192] tensor 1.26 (1.32 with 2);
+of a [rows, 1024] tensor 3.47 (3.77 with 3). With 4 tiles a program and one step at a time
+(as before): 1.01, 1.96 and 3.71 ms."""
 
 # writer route row (int64): new values' address (or offset in the window's scratch), 1 if
 # in scratch, shadow offset (bytes, in the window's shadow bytes), first tile, elements, tiles
@@ -125,6 +148,38 @@ def _flat(dims, t):
 
 
 @triton.jit
+def _flat_at(dims, base, j):
+    """Element offsets of the flat indices ``base + j`` of a FLAT region (rows shorter than
+    half a tile, any strides, its inner three extents below 2^30): ``base`` a tile's first
+    index, ``j`` (int32) an element of the tile. Only ``base`` is divided in 64 bits, once
+    per tile. Per element, the row of ``base % n3 + j`` within the tile comes from a float
+    reciprocal, which is exact: that index is below n3 + BLOCK, so the quotient is at least
+    0.5 / n3 away from the next integer, far more than the rounding error (a test checks
+    every row length); the carries into the leading dims come from 32-bit divisions. On an
+    H200, 2 GiB of bf16 as the column halves of a [rows, 1024] tensor at 1% changed:
+    compare 6.0 ms and emit 1.9 a pass, against 18.5 and 4.3 with 64-bit divisions per
+    element (rows of 4096 take 1.7 and 1.2)."""
+    n3 = tl.load(dims)
+    n2 = tl.load(dims + 2)
+    n1 = tl.load(dims + 4)
+    r3 = base // n3
+    x = (base - r3 * n3).to(tl.int32) + j
+    q = ((x.to(tl.float32) + 0.5) * (1.0 / n3.to(tl.float32))).to(tl.int32)
+    r2 = r3 // n2
+    y = (r3 - r2 * n2).to(tl.int32) + q
+    k2 = y // n2.to(tl.int32)
+    r1 = r2 // n1
+    z = (r2 - r1 * n1).to(tl.int32) + k2
+    k1 = z // n1.to(tl.int32)
+    return (
+        (x - q * n3.to(tl.int32)) * tl.load(dims + 1)
+        + (y - k2 * n2.to(tl.int32)) * tl.load(dims + 3)
+        + (z - k1 * n1.to(tl.int32)) * tl.load(dims + 5)
+        + (r1 + k1) * tl.load(dims + 6)
+    )
+
+
+@triton.jit
 def _at(row, t, j, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """Elements ``j`` (within the tile) of tile ``t`` of the route at ``row``: their flat
     indices in the route (which are also their places in the shadow), which are in the route,
@@ -145,7 +200,7 @@ def _at(row, t, j, MODE: tl.constexpr, BLOCK: tl.constexpr):
     else:
         u = t * BLOCK + j
         valid = u < tl.load(row + 4)
-        off = _flat(dims, u)
+        off = _flat_at(dims, t * BLOCK, j)
     return u, valid, off
 
 
@@ -172,13 +227,12 @@ def _regions(row, work_ptr, scratch_ptr, T: tl.constexpr):
 @triton.jit
 def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr, g,
                      T: tl.constexpr, ROWS_: tl.constexpr, UPDATE: tl.constexpr,
-                     COUNT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                     COUNT: tl.constexpr, BLOCK: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """Compare tile ``g`` of an ALIGNED (or, ``ROWS_``, ALIGNED_ROWS) route, telling the
     compiler that the tile's new and previous values start at 16-byte boundaries and that
     the elements it may take (of the route, or of its row) are a multiple of 16, so that it
-    loads (and stores) 16 bytes at a time. Bringing the shadow up to date then writes the
-    whole tile, 16 bytes at a time, rather than each changed element alone (the same bytes
-    where nothing changed)."""
+    loads 16 bytes at a time, and stores as many where it writes a whole tile into the
+    shadow (more than ``WHOLE`` of its elements changed)."""
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
     t = g - tl.load(row + 3)
     new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
@@ -202,12 +256,15 @@ def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, b
     new = tl.load(new_ptr + j, mask=valid, other=0)
     old = tl.load(old_ptr + j, mask=valid, other=0)
     c = (valid & (new != old)).to(tl.int32)
+    n = tl.sum(c, axis=0)
     if COUNT:
-        tl.store(counts_ptr + g + 1, tl.sum(c, axis=0))
+        tl.store(counts_ptr + g + 1, n)
         tl.store(counts_ptr + g * 0, g * 0, mask=g == 0)
-    if UPDATE:
+    if n > WHOLE:
         tl.store(old_ptr + j, new, mask=valid)
     else:
+        tl.store(old_ptr + j, new, mask=c != 0)
+    if not UPDATE:
         # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
         words = tl.sum(tl.reshape(c, [BLOCK // 32, 32]) << tl.arange(0, 32)[None, :], axis=1)
         tl.store(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32), words)
@@ -230,13 +287,16 @@ def _compare_kernel(
     COUNT: tl.constexpr,
     BLOCK: tl.constexpr,
     R: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
-    """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits)."""
+    """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits), and bring
+    the shadow up to date; ``UPDATE``: no bitmask (every reader of the window gets dense
+    bytes); ``COUNT``: with counts; ``WHOLE``: see :func:`_compare_aligned`."""
     if MODE == _ALIGNED or MODE == _ALIGNED_ROWS:
         tl.static_assert(R == 1, "ALIGNED routes: one tile a program")
         _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr,
                          first + tl.program_id(0).to(tl.int64), T, MODE == _ALIGNED_ROWS,
-                         UPDATE, COUNT, BLOCK)  # fmt: skip
+                         UPDATE, COUNT, BLOCK, WHOLE)  # fmt: skip
         return
     g, live, row = _tiles(tiles_ptr, routes_ptr, first, n, R)
     rr = row[:, None]
@@ -250,9 +310,8 @@ def _compare_kernel(
     if COUNT:
         tl.store(counts_ptr + g + 1, tl.sum(c, axis=1), mask=live)
         tl.store(counts_ptr + g * 0, g * 0, mask=live & (g == 0))
-    if UPDATE:
-        tl.store(old_ptr + u, new, mask=changed)
-    else:
+    tl.store(old_ptr + u, new, mask=changed)
+    if not UPDATE:
         # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
         shifted = tl.reshape(c, [R, BLOCK // 32, 32]) << tl.arange(0, 32)[None, None, :]
         words = tl.sum(shifted, axis=2)
@@ -275,12 +334,16 @@ def _popcount(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, place, T: tl.constexpr):
+def _take(new_ptr, u, off, hit, values_at, index_at, ix, place, T: tl.constexpr):
     """Changed elements ``hit`` (flat indices ``u`` in their route, ``off`` in the new values'
-    region) into the shadow and, those of a sparse frame (its ``values_at``, ``index_at``
-    and index size ``ix``; a null ``values_at`` otherwise), at ``place`` of the frame."""
-    new = tl.load(new_ptr + off, mask=hit, other=0)
-    tl.store(old_ptr + u, new, mask=hit)
+    region) of a sparse frame (its ``values_at``, ``index_at`` and index size ``ix``; a null
+    ``values_at`` otherwise) at ``place`` of the frame."""
+    _put(tl.load(new_ptr + off, mask=hit, other=0), u, hit, values_at, index_at, ix, place)
+
+
+@triton.jit
+def _put(new, u, hit, values_at, index_at, ix, place):
+    """Changed elements ``new`` (``hit``, flat indices ``u``) at ``place`` of a sparse frame."""
     # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
     tl.store(values_at + place, new, mask=tl.where(values_at.to(tl.int64) != 0, hit, False))
     i4 = tl.where(ix == 4, hit, False)
@@ -290,12 +353,20 @@ def _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, place, T: tl.c
 
 
 @triton.jit
-def _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T: tl.constexpr, MODE: tl.constexpr,
+def _lowest(words, row, t, word_at, MODE: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    """Each word's lowest set bit: its element (flat index in the route, offset in the new
+    values' region), whether the word had one, and the words without it."""
+    lowest = words & ~(words - 1)
+    u, valid, off = _at(row, t, word_at + _popcount(lowest - 1, ASM), MODE, BLOCK)
+    return u, off, words != 0, words & (words - 1)
+
+
+@triton.jit
+def _emit_dense(row, t, p, new_ptr, store_ptr, T: tl.constexpr, MODE: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
-    """A tile of a dense frame: all its values (the shadow takes them all, the same bytes)."""
+    """A tile of a dense frame: all its values."""
     u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
     new = tl.load(new_ptr + off, mask=valid)
-    tl.store(old_ptr + u, new, mask=valid)
     tl.store((store_ptr + tl.load(p + 1)).to(tl.pointer_type(T)) + u, new, mask=valid)
 
 
@@ -306,8 +377,8 @@ def _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr, stor
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
     if tl.load(p) == 2:
-        new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
-        _emit_dense(row, g - tl.load(row + 3), p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
+        new_ptr = _regions(row, work_ptr, scratch_ptr, T)[0]
+        _emit_dense(row, g - tl.load(row + 3), p, new_ptr, store_ptr, T, MODE, BLOCK)
 
 
 @triton.jit
@@ -316,27 +387,27 @@ def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
                 ASM: tl.constexpr):  # fmt: skip
     """What the emit kernel reads first of tiles ``g`` (one, or a column of them) that are
     ``live``: their routes' rows, their tile indices in their routes, their plan rows and
-    frame kinds, where their new and previous values are, where a sparse frame's values and
-    indices go and the index size (null and 0 for other kinds), their bitmasks' words (none
-    for a dense frame), the words' popcounts, and where each word's first changed element
+    frame kinds, where their new values are, where a sparse frame's values and indices go
+    and the index size (null and 0 for other kinds), their bitmasks' words (none but for a
+    sparse frame), the words' popcounts, and where each word's first changed element
     goes: the k-th changed element of a route goes to place k of its sparse frame (a tile's
     changed elements come in word order, and in bit order within a word)."""
     W: tl.constexpr = BLOCK // 32
     row = routes_ptr + tl.load(tiles_ptr + g, mask=live, other=0).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
     kind = tl.load(p, mask=live, other=0)
-    new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
+    new_ptr = _regions(row, work_ptr, scratch_ptr, T)[0]
     sparse = kind == 1
     values_at = tl.where(sparse, store_ptr.to(tl.int64) + tl.load(p + 2), 0)
     index_at = store_ptr + tl.load(p + 1)
     ix = tl.where(sparse, tl.load(p + 3), 0)
-    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=live & (kind != 2), other=0)
+    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=live & (kind == 1), other=0)
     words = words.to(tl.uint32, bitcast=True)
     per_word = _popcount(words, ASM)
     place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
     place = place + tl.cumsum(per_word, axis=len(words.shape) - 1) - per_word
-    return (row, g - tl.load(row + 3), p, kind, new_ptr, old_ptr,
-            values_at.to(tl.pointer_type(T)), index_at, ix, words, per_word, place)  # fmt: skip
+    return (row, g - tl.load(row + 3), p, kind, new_ptr, values_at.to(tl.pointer_type(T)),
+            index_at, ix, words, per_word, place)  # fmt: skip
 
 
 # tile and entry offsets vary per launch: one compiled kernel for all of them
@@ -358,13 +429,15 @@ def _emit_kernel(
     ASM: tl.constexpr,
     STEPS: tl.constexpr,
     R: tl.constexpr,
+    TOGETHER: tl.constexpr,
 ):
     """Emit tiles: a dense frame's tile whole, else its changed elements. ``STEPS``: ``R``
     tiles a program, one step per set bit of the word that has the most, each step taking
     every word's lowest one (about 3 steps at 1% changed); else one tile a program, a lane
     per element, placed by popcounts. (One kernel with both paths behind a test at run
     time was slower on both; one tile a program took the steps 1.5 times as long as 4, but
-    lanes over several tiles were slower, as were lanes laid out by words of 32.)"""
+    lanes over several tiles were slower, as were lanes laid out by words of 32.)
+    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`)."""
     pid = tl.program_id(0).to(tl.int64)
     if STEPS:  # (a compile-time test: each branch alone is compiled)
         k = pid * R + tl.arange(0, R)[:, None]
@@ -372,7 +445,7 @@ def _emit_kernel(
     else:
         tl.static_assert(R == 1, "a lane per element: one tile a program")
         g, live = first + pid, True
-    row, t, p, kind, new_ptr, old_ptr, values_at, index_at, ix, words, per_word, place = (
+    row, t, p, kind, new_ptr, values_at, index_at, ix, words, per_word, place = (
         _emit_start(
             tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, store_ptr,
             g, live, T, BLOCK, ASM,
@@ -385,22 +458,33 @@ def _emit_kernel(
                     _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr,
                                     store_ptr, first + pid * R + r, T, MODE, BLOCK)  # fmt: skip
         word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
-        for _ in range(tl.max(tl.max(per_word, axis=1), axis=0)):
-            hit = words != 0
-            lowest = words & ~(words - 1)
-            u, valid, off = _at(row, t, word_at + _popcount(lowest - 1, ASM), MODE, BLOCK)
-            _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, place, T)
-            words = words & (words - 1)
+        # the first steps load their elements together, so that their latencies overlap
+        tl.static_assert(TOGETHER == 2 or TOGETHER == 3, "2 or 3 steps together")
+        u0, off0, hit0, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+        u1, off1, hit1, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+        if TOGETHER == 3:
+            u2, off2, hit2, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+        new0 = tl.load(new_ptr + off0, mask=hit0, other=0)
+        new1 = tl.load(new_ptr + off1, mask=hit1, other=0)
+        if TOGETHER == 3:
+            new2 = tl.load(new_ptr + off2, mask=hit2, other=0)
+            _put(new2, u2, hit2, values_at, index_at, ix, place + 2)
+        _put(new0, u0, hit0, values_at, index_at, ix, place)
+        _put(new1, u1, hit1, values_at, index_at, ix, place + 1)
+        place = place + TOGETHER
+        for _ in range(tl.max(tl.max(per_word, axis=1), axis=0) - TOGETHER):
+            u, off, hit, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+            _take(new_ptr, u, off, hit, values_at, index_at, ix, place, T)
             place = place + 1
     elif kind == 2:
-        _emit_dense(row, t, p, new_ptr, old_ptr, store_ptr, T, MODE, BLOCK)
+        _emit_dense(row, t, p, new_ptr, store_ptr, T, MODE, BLOCK)
     else:
         lane = tl.arange(0, 32)[None, :].to(tl.uint32)
         below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
         at_k = tl.reshape(place[:, None] + below, [BLOCK])
         hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
         u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-        _take(new_ptr, old_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
+        _take(new_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
 
 
 @triton.jit
@@ -590,6 +674,7 @@ class WindowTable:
     def __init__(self, routes: Sequence[tuple], device: torch.device, block: int = BLOCK) -> None:
         self.device = torch.device(device)
         self.block = block
+        self._whole = int(block * WHOLE_ABOVE)
         self.slots = len(routes)
         self.elements = sum(r[3] for r in routes)
         rows: list[tuple[tuple[int, int], int, list[int], int]] = []
@@ -605,6 +690,13 @@ class WindowTable:
                 raise ValueError(
                     f"route {slot}: a region of shape {tuple(new.shape)} and strides "
                     f"{tuple(new.stride())} has more than 4 dims that do not merge"
+                )
+            # (the outermost of 4 dims is never divided)
+            if mode == FLAT and max(n for n, _ in dims[-3:]) >= 1 << 30:
+                raise ValueError(
+                    f"route {slot}: a region of shape {tuple(new.shape)} and strides "
+                    f"{tuple(new.stride())} has an extent of 2^30 or more and rows of fewer "
+                    f"than {block // 2} elements, which the kernels cannot address"
                 )
             ncols = dims[-1][0]
             tpr = -(-ncols // block)
@@ -655,14 +747,16 @@ class WindowTable:
                         _compare_kernel.warmup(
                             self._owner, self._routes, b, b, counts, bits, first, n,
                             T=_INT[isz], MODE=m, UPDATE=bool(update), COUNT=bool(count),
-                            BLOCK=self.block, R=r, num_warps=warps, grid=(1,),
+                            BLOCK=self.block, R=r, WHOLE=self._whole, num_warps=warps,
+                            grid=(1,),
                         )  # fmt: skip
                 for steps in (True, False):
                     r, warps = EMIT_STEPS if steps else EMIT_LANES
                     _emit_kernel.warmup(
                         self._owner, self._routes, b, b, q, i, q, b, first, n,
                         T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
-                        STEPS=steps, R=r, num_warps=warps, grid=(1,),
+                        STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                        num_warps=warps, grid=(1,),
                     )  # fmt: skip
 
     def compare(
@@ -698,7 +792,7 @@ class WindowTable:
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, counts, bits, first, n,
                     T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count or not update,
-                    BLOCK=self.block, R=r, num_warps=warps,
+                    BLOCK=self.block, R=r, WHOLE=self._whole, num_warps=warps,
                 )  # fmt: skip
         if update:
             return (counts, None) if count else None
@@ -730,7 +824,7 @@ class WindowTable:
                 _emit_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
                     T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
-                    STEPS=steps, R=r, num_warps=warps,
+                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)], num_warps=warps,
                 )  # fmt: skip
 
 

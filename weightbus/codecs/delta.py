@@ -452,8 +452,8 @@ TRITON_ENV = "WEIGHTBUS_DELTA_TRITON"
 _WIDE = 2**31
 """Routes of at least this many elements number them with 8-byte indices, others 4-byte."""
 # what the emit pass does with a route (a plan row's kind, shared with the Triton kernels):
-# only bring its shadow up to date (it travels in a bucket sent whole), write its sparse frame,
-# or write its dense frame
+# only bring its shadow up to date (it travels in a bucket sent whole; the Triton kernels'
+# compare pass already did), write its sparse frame, or write its dense frame
 _KEEP, _SPARSE_FRAME, _DENSE_FRAME = 0, 1, 2
 
 
@@ -1030,8 +1030,8 @@ class DeltaEncoder:
 
     def _analyze(self, w: int, win: _Window, decision: DeltaDecision) -> None:
         """Count each route's changed elements (the window's wait for the device), decide
-        sparse or dense, lay out the frames, write them and update the shadow; meanwhile the
-        next window's compare pass runs on the device."""
+        sparse or dense, lay out the frames, write them and update the shadow (on the GPU
+        its compare pass did); meanwhile the next window's compare pass runs on the device."""
         lay = win.lay
         # a dense window's directories need no counts: its pass is waited for once its
         # buckets are packed (:meth:`_ready`), not before this one's are sent
