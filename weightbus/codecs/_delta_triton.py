@@ -105,8 +105,9 @@ EMIT_TOGETHER = {CONTIG: 2, ROWS: 3, FLAT: 2}
 so that their latencies overlap (at 1% changed, most words hold at most 2 or 3). On an
 H200, 2 GiB of bf16 in 64 routes at 1% changed, 8 tiles a program: contiguous routes 0.81
 ms (0.84 with 3 together); as column halves of a [rows, 8192] tensor 1.26 (1.32 with 2);
-of a [rows, 1024] tensor 3.47 (3.77 with 3). With 4 tiles a program and one step at a time
-(as before): 1.01, 1.96 and 3.71 ms."""
+of a [rows, 1024] tensor 3.47 (3.77 with 3), before FLAT routes divided once per tile (1.92
+since). With 4 tiles a program and one step at a time (as before): 1.01, 1.96 and 3.71 ms.
+All of them with the shadow written by the compare pass."""
 
 # writer route row (int64): new values' address (or offset in the window's scratch), 1 if
 # in scratch, shadow offset (bytes, in the window's shadow bytes), first tile, elements, tiles
