@@ -63,6 +63,47 @@ def test_interp_verify_sums_equal_the_definition():
 
 
 @interp
+def test_interp_verify_sums_of_many_buckets_in_one_launch_equal_each_buckets():
+    """Verifier.add_all: one launch over several buckets gives each bucket its own routes'
+    sums; a bucket the kernel cannot read (a transposed route) sends every bucket the
+    per-bucket way, with the same numbers."""
+    from weightbus._verify_triton import _sums_kernel
+    from weightbus.verify import Verifier, route_sums
+
+    buckets = [_views(3), _views(4)[:5], [torch.randn(30, 20).bfloat16()]]
+    ops = [SimpleNamespace(bucket=b, copies=[None] * len(v)) for b, v in enumerate(buckets)]
+    launches = []
+    run = _sums_kernel.run
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs["grid"])
+        return run(*args, **kwargs)
+
+    _sums_kernel.run = counted
+    try:
+        v = Verifier("checksum")
+        v.begin()
+        v.add_all(ops, buckets)
+        (table,) = v._gpu._tables.values()
+        together = len(launches)
+        got = v.collect()
+        transposed = [*buckets[:2], [torch.randn(30, 20).bfloat16().t()]]
+        v.begin()
+        v.add_all(ops, transposed)
+        apart = v.collect()
+    finally:
+        _sums_kernel.run = run
+    # one table over every bucket's routes, a launch per group of pieces (word width and
+    # alignment) for all buckets together
+    assert table.routes == sum(len(b) for b in buckets)
+    assert together == len(table.groups) < sum(len(b) for b in buckets)
+    for b, views in enumerate(buckets):
+        assert np.array_equal(got[b], route_sums(views).numpy()), b
+    for b, views in enumerate(transposed):
+        assert np.array_equal(apart[b], route_sums(views).numpy()), b
+
+
+@interp
 def test_interp_copy_tables_pack_and_unpack_every_layout():
     from weightbus.plan._copy_triton import CopyTable
 

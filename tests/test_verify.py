@@ -269,6 +269,25 @@ def test_sums_match_their_definition_for_any_dtype_shape_and_stride():
     assert [tuple(r) for r in got.tolist()] == [_plain_sums(x) for x in xs]
 
 
+def test_sums_of_many_buckets_at_once_equal_each_buckets_and_name_a_short_one():
+    from types import SimpleNamespace
+
+    from weightbus.errors import WeightbusError
+    from weightbus.verify import Verifier, route_sums
+
+    buckets = [[torch.randn(30, 7), torch.randn(5).bfloat16()], [torch.randn(3, 4).t()]]
+    ops = [SimpleNamespace(bucket=b + 10, copies=[None] * len(g)) for b, g in enumerate(buckets)]
+    v = Verifier("full")
+    v.begin()
+    v.add_all(ops, buckets)
+    got = v.collect()
+    for op, group in zip(ops, buckets, strict=True):
+        assert np.array_equal(got[op.bucket], route_sums(group).numpy())
+        assert len(v.bytes_of(op.bucket)) == len(group)
+    with pytest.raises(WeightbusError, match=r"bucket 11: 0 views for 1 routes"):
+        v.add_all(ops, [buckets[0], []])
+
+
 def test_sums_change_with_a_flipped_byte_and_swapped_words():
     from weightbus.verify import route_sums
 
@@ -583,3 +602,26 @@ def test_verifier_kernel_on_cuda_equals_the_cpu_sums():
             assert np.array_equal(got, route_sums(group).numpy()), bucket
         (table,) = v._gpu._tables.values()
         assert (table is None) == (bucket == 1)  # the transposed route: torch sums its bucket
+    # both buckets at once (as a writer sums the tensors readers pull): one table when every
+    # bucket fits the kernel, each bucket apart when one does not, the same numbers
+    halves = [views[: len(views) // 2], views[len(views) // 2 :]]
+    for buckets in (halves, [views, strided]):
+        ops = [SimpleNamespace(bucket=b, copies=[None] * len(g)) for b, g in enumerate(buckets)]
+        v = Verifier("checksum")
+        v.begin()
+        v.add_all(ops, [[x.cuda() for x in g] for g in buckets])
+        got = v.collect()
+        for b, group in enumerate(buckets):
+            assert np.array_equal(got[b], route_sums(group).numpy()), b
+
+
+def test_a_reader_sums_its_pulled_buckets_in_runs_in_order():
+    from types import SimpleNamespace
+
+    from weightbus.verify import runs as _runs
+
+    ops = [SimpleNamespace(bucket=b, nbytes=n) for b, n in enumerate([5, 3, 9, 1, 1, 1, 20, 2])]
+    runs = _runs(ops, 8)
+    assert [[op.bucket for op in r] for r in runs] == [[0, 1], [2], [3, 4, 5, 6], [7]]
+    assert _runs([], 8) == []
+    assert [len(r) for r in _runs(ops, 1)] == [1] * len(ops)

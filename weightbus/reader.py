@@ -38,7 +38,7 @@ from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, checked_tag, res
 from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout
 from weightbus.transports.base import Handle
-from weightbus.verify import Verifier, check_reader, region_views
+from weightbus.verify import RUN_BYTES, Verifier, check_reader, region_views, runs
 
 logger = logging.getLogger(__name__)
 
@@ -258,12 +258,16 @@ class Reader(_Session):
             phases["transfer"] += time.perf_counter() - t
             if verifier is not None:
                 t = time.perf_counter()
-                # a pulling transport tells when each bucket landed: its sums overlap the
-                # later buckets' copies instead of following the last one
+                # a pulling transport tells when each bucket landed: the sums of a run of
+                # buckets overlap the later buckets' copies instead of following the last one
                 landed = getattr(transport, "landed", None)
-                for op in direct_ops:
-                    after = landed(op.peer_global, op.bucket) if landed is not None else ()
-                    verifier.add(op, functools.partial(region_views, op, tensors), after)
+                for run in runs(direct_ops, RUN_BYTES):
+                    after = []
+                    if landed is not None:
+                        for op in run:
+                            after += landed(op.peer_global, op.bucket)
+                    views = [functools.partial(region_views, op, tensors) for op in run]
+                    verifier.add_all(run, views, after)
                 phases["verify"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once

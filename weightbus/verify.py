@@ -47,6 +47,7 @@ carries the wire bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -258,6 +259,25 @@ def _digest(sums: np.ndarray) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+RUN_BYTES = 512 << 20
+"""Buckets that readers pull are summed in runs of about this many bytes, a launch per run
+(:meth:`Verifier.add_all`): by their writer as the sync starts, by a reader once a run's last
+bucket landed (its last run's sum follows the last copy: ~0.2 ms on an H200)."""
+
+
+def runs(ops: Sequence[BucketOp], nbytes: int) -> list[list[BucketOp]]:
+    """``ops`` in order, cut into runs of at least ``nbytes`` (the last may hold fewer)."""
+    out: list[list[BucketOp]] = []
+    size = nbytes
+    for op in ops:
+        if size >= nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(op)
+        size += op.nbytes
+    return out
+
+
 class Verifier:
     """The sums of one participant's buckets in one sync (and, at ``"full"``, their bytes).
 
@@ -296,13 +316,7 @@ class Verifier:
         is made there too, after the events).
         """
         if after:
-            device = torch.cuda.current_device()  # this participant's (views live there)
-            stream = self._side.get(device)
-            if stream is None:
-                stream = self._side[device] = torch.cuda.Stream(device)
-            for event in after:
-                stream.wait_event(event)
-            with torch.cuda.stream(stream):
+            with self._after(after):
                 self.add(op, views)
             return
         if callable(views):
@@ -318,6 +332,55 @@ class Verifier:
         )
         if self.level == "full":
             self._bytes[op.bucket] = [_raw(x) for x in views]
+
+    @contextlib.contextmanager
+    def _after(self, events: Sequence[torch.cuda.Event]):
+        """This participant's stream of sums that wait for ``events``, made current."""
+        device = torch.cuda.current_device()  # this participant's (views live there)
+        stream = self._side.get(device)
+        if stream is None:
+            stream = self._side[device] = torch.cuda.Stream(device)
+        for event in events:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield
+
+    @torch.no_grad()
+    def add_all(
+        self,
+        ops: Sequence[BucketOp],
+        views: Sequence[Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]]],
+        after: Sequence[torch.cuda.Event] = (),
+    ) -> None:
+        """Sum buckets ``ops`` (``views`` and ``after`` as :meth:`add` takes them, ``after``
+        for all of them): on a GPU one launch for all of them instead of one per bucket.
+        Both the launch and the host work per launch count: on an H200 a 66 MB bucket's sum
+        took 33 us alone (2 TB/s) against ~3.3 TB/s for a launch over 2 GiB, and a reader
+        that queued a launch per bucket of Llama-3-8B (241) after its pulls finished them
+        15 ms after its last copy, bound by its host (colocated, 2 x H200)."""
+        if after:
+            with self._after(after):
+                self.add_all(ops, views)
+            return
+        views = [list(v() if callable(v) else v) for v in views]
+        for op, v in zip(ops, views, strict=True):
+            if len(v) != len(op.copies):
+                raise WeightbusError(
+                    f"bucket {op.bucket}: {len(v)} views for {len(op.copies)} routes"
+                )
+        flat = [x for v in views for x in v]
+        kernel = flat and (flat[0].is_cuda or _INTERPRETED)
+        sums = self._on_gpu(flat) if kernel else None
+        if sums is None:  # per bucket (torch ops, or the kernel where a bucket fits it)
+            for op, v in zip(ops, views, strict=True):
+                self.add(op, v)
+            return
+        at = 0
+        for op, v in zip(ops, views, strict=True):
+            self._pending[op.bucket] = sums[at : at + len(v)]
+            at += len(v)
+            if self.level == "full":
+                self._bytes[op.bucket] = [_raw(x) for x in v]
 
     def _on_gpu(self, views: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The sums by the Triton kernel (``s2`` reduced in :meth:`collect`), or None where
