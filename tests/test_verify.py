@@ -618,10 +618,10 @@ def test_verifier_kernel_on_cuda_equals_the_cpu_sums():
 def test_a_reader_sums_its_pulled_buckets_in_runs_in_order():
     from types import SimpleNamespace
 
-    from weightbus.verify import runs as _runs
+    from weightbus.verify import runs
 
     ops = [SimpleNamespace(bucket=b, nbytes=n) for b, n in enumerate([5, 3, 9, 1, 1, 1, 20, 2])]
-    runs = _runs(ops, 8)
-    assert [[op.bucket for op in r] for r in runs] == [[0, 1], [2], [3, 4, 5, 6], [7]]
-    assert _runs([], 8) == []
-    assert [len(r) for r in _runs(ops, 1)] == [1] * len(ops)
+    cut = runs(ops, 8)
+    assert [[op.bucket for op in r] for r in cut] == [[0, 1], [2], [3, 4, 5, 6], [7]]
+    assert runs([], 8) == []
+    assert [len(r) for r in runs(ops, 1)] == [1] * len(ops)

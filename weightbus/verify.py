@@ -262,7 +262,8 @@ def _digest(sums: np.ndarray) -> int:
 RUN_BYTES = 512 << 20
 """Buckets that readers pull are summed in runs of about this many bytes, a launch per run
 (:meth:`Verifier.add_all`): by their writer as the sync starts, by a reader once a run's last
-bucket landed (its last run's sum follows the last copy: ~0.2 ms on an H200)."""
+bucket landed (so its last run's sum follows the last copy: about 0.16 ms at the kernel's 3.3
+TB/s on an H200)."""
 
 
 def runs(ops: Sequence[BucketOp], nbytes: int) -> list[list[BucketOp]]:
