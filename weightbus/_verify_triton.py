@@ -1,4 +1,5 @@
-"""The verification sums on a GPU: one Triton launch per bucket reads each word once.
+"""The verification sums on a GPU: one Triton launch per bucket, or per run of buckets, reads
+each word once.
 
 Imported only for CUDA tensors, where Triton exists. Computes exactly the ``s1`` and ``s2`` of
 :mod:`weightbus.verify` (so CPU and GPU sums compare), without any floating point:
