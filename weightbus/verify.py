@@ -316,23 +316,7 @@ class Verifier:
         ``views`` is then a function making the views, called on that stream (a cast region
         is made there too, after the events).
         """
-        if after:
-            with self._after(after):
-                self.add(op, views)
-            return
-        if callable(views):
-            views = views()
-        if len(views) != len(op.copies):
-            raise WeightbusError(
-                f"bucket {op.bucket}: {len(views)} views for {len(op.copies)} routes"
-            )
-        kernel = views and (views[0].is_cuda or _INTERPRETED)
-        sums = self._on_gpu(views) if kernel else None
-        self._pending[op.bucket] = (
-            sums if sums is not None else route_sums(views, cache=self._cache)
-        )
-        if self.level == "full":
-            self._bytes[op.bucket] = [_raw(x) for x in views]
+        self.add_all([op], [views], after)
 
     @contextlib.contextmanager
     def _after(self, events: Sequence[torch.cuda.Event]):
@@ -369,23 +353,28 @@ class Verifier:
                 raise WeightbusError(
                     f"bucket {op.bucket}: {len(v)} views for {len(op.copies)} routes"
                 )
-        flat = [x for v in views for x in v]
-        kernel = flat and (flat[0].is_cuda or _INTERPRETED)
-        sums = self._on_gpu(flat) if kernel else None
-        if sums is None:  # per bucket (torch ops, or the kernel where a bucket fits it)
-            for op, v in zip(ops, views, strict=True):
-                self.add(op, v)
-            return
-        at = 0
-        for op, v in zip(ops, views, strict=True):
-            self._pending[op.bucket] = sums[at : at + len(v)]
-            at += len(v)
+        sums = self._on_gpu([x for v in views for x in v])
+        if sums is not None:
+            parts, at = [], 0
+            for v in views:
+                parts.append(sums[at : at + len(v)])
+                at += len(v)
+        elif len(views) > 1:  # a bucket the kernel cannot read: each bucket apart
+            parts = [self._on_gpu(v) for v in views]
+        else:
+            parts = [None]
+        for op, v, part in zip(ops, views, parts, strict=True):
+            self._pending[op.bucket] = (
+                part if part is not None else route_sums(v, cache=self._cache)
+            )
             if self.level == "full":
                 self._bytes[op.bucket] = [_raw(x) for x in v]
 
     def _on_gpu(self, views: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The sums by the Triton kernel (``s2`` reduced in :meth:`collect`), or None where
-        it does not apply (no Triton, a column stride other than 1)."""
+        it does not apply (CPU tensors, no Triton, a column stride other than 1)."""
+        if not views or not (views[0].is_cuda or _INTERPRETED):
+            return None
         if self._gpu is None:
             try:
                 from weightbus._verify_triton import GpuSums
