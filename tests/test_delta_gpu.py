@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import multiprocessing as mp
 import socket
 import traceback
@@ -193,17 +194,55 @@ def _canon(model, version: int, device) -> dict[str, torch.Tensor]:
     return out
 
 
-def _participant(role: str, port: int, q) -> None:
+def _hash(i: torch.Tensor, *keys: int) -> torch.Tensor:
+    """32 well-mixed bits per element index ``i`` (int64, on any device) and ``keys``: the
+    same on every GPU, with no generator state to keep in step between processes."""
+    h = i & 0xFFFFFFFF
+    for k in keys:
+        h = (h ^ (k & 0xFFFFFFFF)) * 0x2C1B3C6D & 0xFFFFFFFF
+        h = (h ^ (h >> 15)) * 0x297A2D39 & 0xFFFFFFFF
+        h = h ^ (h >> 13)
+    return h
+
+
+def _step_large(model, canon: dict[str, torch.Tensor], version: int, device) -> None:
+    """Version ``version`` of the large case's canonical weights, in place: version 1 sets
+    every element's bits, each later one changes about 1% of them (any bf16 bits, NaN
+    payloads and -0.0 included: the codec compares raw bits)."""
+    for t in model.tensors:
+        seed = zlib.crc32(t.name.encode())
+        i = torch.arange(math.prod(t.shape), device=device)
+        bits = (_hash(i, seed, version, 1) & 0xFFFF) - 32768
+        x = bits.to(torch.int16).view(torch.bfloat16).view(t.shape)
+        if version == 1:
+            canon[t.name] = x
+        else:
+            changed = (_hash(i, seed, version, 2) % 100 == 0).view(t.shape)
+            canon[t.name] = torch.where(changed, x, canon[t.name])
+
+
+def _participant(role: str, port: int, q, size: str) -> None:
     try:
         from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
         from weightbus.codecs import _delta_triton
         from weightbus.layouts.describe import build_layouts
-        from weightbus.layouts.families import model_spec
+        from weightbus.layouts.families import PRESETS, model_spec
 
         gpu = 0 if role == "writer" else 1
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
-        model = model_spec("tiny-llama", dtype="bfloat16")
+        if size == "tiny":
+            model = model_spec("tiny-llama", dtype="bfloat16")
+            buckets = {"bucket_bytes": 1 << 20, "direct_bytes": 0}
+            delta = DeltaConfig(checksum_every=3)
+        else:
+            # Llama-3-8B's shapes, 4 layers (2.2 GB): real sizes for the kernels, the
+            # default buckets, and windows small enough for several passes per sync, so that
+            # buffers are reused between passes while the GPU still works on them
+            config = {**PRESETS["llama-3-8b"], "num_hidden_layers": 4, "vocab_size": 32000}
+            model = model_spec(config, dtype="bfloat16")
+            buckets = {}
+            delta = DeltaConfig(checksum_every=3, window_bytes=256 << 20)
         layout = build_layouts(model, "whole" if role == "writer" else "vllm:tp=1", role)[0]
         me = Participant(role=role, rank=0, host=socket.gethostname(), device=str(device))
         layout = dataclasses.replace(layout, participant=me, _memo={})
@@ -217,10 +256,9 @@ def _participant(role: str, port: int, q) -> None:
             timeout=timedelta(seconds=120),
         )
         sync = SyncConfig(
-            bucket_bytes=1 << 20,
-            direct_bytes=0,
+            **buckets,
             transport="nccl",
-            delta=DeltaConfig(checksum_every=3),
+            delta=delta,
             sync_timeout=timedelta(seconds=60),
             step_timeout=timedelta(seconds=120),
         )
@@ -233,15 +271,19 @@ def _participant(role: str, port: int, q) -> None:
         else:
             used = isinstance(side.codec.decoder._table, _delta_triton.TargetTable)
         sizes, bad = [], []
+        canon: dict[str, torch.Tensor] = {}
+        want = allocate(layout, device=device) if role == "reader" else None
         for v in range(1, STEPS + 1):
-            canon = _canon(model, v, device)
+            if size == "tiny":
+                canon = _canon(model, v, device)
+            else:
+                _step_large(model, canon, v, device)
             if role == "writer":
                 fill_from_canonical(layout, canon, tensors)
                 torch.cuda.synchronize()
                 sizes.append(side.sync(v).bytes)
                 continue
             sizes.append(side.wait().bytes)
-            want = allocate(layout, device=device)
             fill_from_canonical(layout, canon, want)
             for k, t in want.items():
                 if not torch.equal(tensors[k].view(torch.int16), t.view(torch.int16)):
@@ -254,13 +296,15 @@ def _participant(role: str, port: int, q) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.timeout(300)
-def test_session_sync_over_nccl_uses_the_kernels(monkeypatch):
+@pytest.mark.parametrize("size", ["tiny", "large"])
+def test_session_sync_over_nccl_uses_the_kernels(size, monkeypatch):
     monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)  # the default: the kernels
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_participant, args=(r, store.port, q)) for r in ("writer", "reader")
+        ctx.Process(target=_participant, args=(r, store.port, q, size))
+        for r in ("writer", "reader")
     ]
     for p in procs:
         p.start()

@@ -352,3 +352,47 @@ def test_writer_killed_mid_sync_readers_raise_naming_it_and_keep_or_flag(store):
     bound, reader = readers[1]
     assert reader.version == 1 and reader.dirty
     assert same_bits(bound.tensors, expected(bound, model, 1)) != []
+
+
+_ODD_BITS = {
+    # NaN payloads of both signs, signed zeros, an infinity, a subnormal
+    torch.bfloat16: (torch.int16, [0x7F8E, -0x3F, -0x8000, 0x7F81, 0x7F80, 0x0001]),
+    torch.float16: (torch.int16, [0x7C01, -0x1FD, -0x8000, 0x7E03, 0x7C00, 0x0001]),
+    torch.float32: (torch.int32, [0x7F800001, -0x3FFFFD, -(2**31), 0x7FC00003, 1, 5]),
+    torch.float8_e4m3fn: (torch.uint8, [0x7F, 0xFF, 0x80, 0x01, 0x7E, 0x08]),
+    torch.int64: (torch.int64, [-1, 2**62, -(2**63), 0, 7, 3]),
+}
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_a_commit_copies_every_bit_nan_payloads_and_signed_zeros_included(device):
+    """The transactional commit copies the verified tensors into the engine's byte for byte:
+    torch's multi-tensor copy of floating tensors on CUDA goes through float32, which would
+    turn every NaN payload into one NaN; contiguous and strided tensors alike."""
+    from weightbus.reader import copy_bits
+
+    src, dst, want = [], [], []
+    for dtype, (ints, values) in _ODD_BITS.items():
+        raw = torch.tensor(values * 4, dtype=ints, device=device).reshape(4, len(values))
+        for x in (raw, raw.t()[1:]):  # contiguous, and a strided view
+            s = x.view(dtype)
+            d = torch.full_like(x, 3).view(dtype)
+            src.append(s)
+            dst.append(d)
+            want.append(s.view(ints).clone())
+    copy_bits(dst, src)
+    for d, w, s in zip(dst, want, src, strict=True):
+        got = d.view(w.dtype)
+        assert torch.equal(got, w), (s.dtype, got.tolist(), w.tolist())

@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -47,6 +47,32 @@ __all__ = ["SHADOW_SHARE", "Reader"]
 SHADOW_SHARE = 0.5
 """``apply="auto"`` is transactional when the copy of the reader's tensors takes at most this
 share of the memory free on its device at connect."""
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def copy_bits(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i][...] = src[i]`` byte for byte (same dtypes and shapes), with one multi-tensor
+    launch where torch has one. The tensors are copied as integers of their elements' width:
+    torch's multi-tensor copy of floating tensors on CUDA goes through float32 and back, which
+    turns every NaN into one (0x7fff in bf16, the payload lost), where a sync promises the
+    sender's bits."""
+    pairs = list(zip(dst, src, strict=True))
+    words = [
+        (d.view(_BITS[d.element_size()]), s.view(_BITS[s.element_size()]))
+        for d, s in pairs
+        if d.dtype == s.dtype and d.element_size() in _BITS
+    ]
+    rest = [(d, s) for d, s in pairs if not (d.dtype == s.dtype and d.element_size() in _BITS)]
+    copy_all = getattr(torch, "_foreach_copy_", None)
+    if copy_all is not None and words:
+        copy_all([d for d, _ in words], [s for _, s in words])
+    else:
+        rest = pairs
+    for d, s in rest:
+        d.copy_(s)
 
 
 class Reader(_Session):
@@ -397,13 +423,7 @@ class Reader(_Session):
         keys = self._commit_keys
         dst = [self.live[k] for k in keys]
         src = [self.bound.tensors[k] for k in keys]
-        with torch.no_grad():
-            copy_all = getattr(torch, "_foreach_copy_", None)
-            if copy_all is not None and dst:
-                copy_all(dst, src)
-            else:
-                for d, s in zip(dst, src, strict=True):
-                    d.copy_(s)
+        copy_bits(dst, src)
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
