@@ -444,15 +444,18 @@ def test_flipped_byte_is_caught_through_the_codecs(store, codec):
 @pytest.mark.timeout(60)
 def test_a_wrong_unpack_is_caught_by_the_reader_summing_its_tensors(store, monkeypatch):
     """The bytes arrive intact but one element lands wrong in the engine's tensors."""
+    import threading
+
     from weightbus.errors import ChecksumMismatch
     from weightbus.plan.program import BucketCopier
 
-    real, hit = BucketCopier.unpack, []
+    real, hit, once = BucketCopier.unpack, [], threading.Lock()
 
     def unpack(self, op, tensors, buf):
         real(self, op, tensors, buf)
         for c in op.copies:
-            if not hit and c.key.endswith("o_proj.weight"):
+            # one element in one reader (both readers' threads unpack at once)
+            if c.key.endswith("o_proj.weight") and once.acquire(blocking=False):
                 tensors[c.key][c.index][0, 3] += 1  # e.g. a scatter off by one element
                 hit.append(c.tensor)
 

@@ -26,7 +26,7 @@ them); ``$WEIGHTBUS_AMAX_SMS`` overrides it, 0 meaning the whole GPU. Measured w
 the whole GPU 31.5 (the code before buckets went ahead: 31.8 and 31.3). The amax pass itself
 takes longer on fewer SMs (4.1 ms on 112, 4.2 on 96, against 3.3 on all 132)."""
 
-_streams: dict[tuple[int, int], torch.cuda.Stream | None] = {}
+_streams: dict[tuple[int, int, str], torch.cuda.Stream | None] = {}
 _contexts: list[object] = []  # each green context outlives its stream
 
 
@@ -36,16 +36,17 @@ def amax_sms() -> int:
     return int(v) if v else AMAX_SMS
 
 
-def partial_stream(device: torch.device, sms: int) -> torch.cuda.Stream | None:
+def partial_stream(device: torch.device, sms: int, use: str = "fp8") -> torch.cuda.Stream | None:
     """A stream whose kernels run on ``sms`` of ``device``'s SMs; None where that cannot be
     (not CUDA, ``sms`` 0 or at least the GPU's count, no green context support): the caller
-    then runs on the whole GPU."""
+    then runs on the whole GPU. One stream per device, count and ``use`` (work of different
+    uses is not serialized on one stream)."""
     if device.type != "cuda" or sms <= 0:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if sms >= torch.cuda.get_device_properties(index).multi_processor_count:
         return None
-    key = (index, sms)
+    key = (index, sms, use)
     if key not in _streams:
         _streams[key] = _green_stream(index, sms)
     return _streams[key]

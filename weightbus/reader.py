@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import torch
 
+from weightbus._green import amax_sms
 from weightbus._session import SyncResult, _Deadline, _Session
 from weightbus.codecs.delta import Group
 from weightbus.control.store import BEGIN, COMMIT
@@ -130,6 +131,9 @@ class Reader(_Session):
         self._told = -1  # sync numbers start again in a new epoch
         level = self.config.verify
         self._verifier = Verifier(level) if level != "off" else None
+        if self._verifier is not None and not getattr(self.transport, "pulls", True):
+            # beside NCCL's kernels: the sums leave it some SMs (see Verifier.sms)
+            self._verifier.sms = amax_sms()
         self._commit_keys = sorted({c.key for op in self.ops for c in op.copies})
         # transactional: commits copy into the engine's tensors, which must stay where they are
         self._live_ptrs_at_connect = (
@@ -239,8 +243,8 @@ class Reader(_Session):
                 )
             total = self.bytes_per_sync
             staged: deque = deque()  # (handle, op, staging buffer), oldest first
-            direct: list = []  # handles of in-place receives
-            direct_ops: list[BucketOp] = []  # their ops (summed once they landed)
+            direct: list = []  # handles of pulls and in-place receives
+            late: list[BucketOp] = []  # in-place receives summed once every one is done
             free = deque(self._staging)
             tensors = self.bound.tensors
             touched = self.apply == "in_place"
@@ -256,14 +260,14 @@ class Reader(_Session):
             if self.pulled:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.pulled]
-                direct_ops = list(self.pulled)
             for i, (op, live) in enumerate(ops):
                 if i == len(self.ahead):
                     words = self._recv_words()
                 if live is not None:
                     # one contiguous region of a live tensor: received in place, no staging
                     direct.append(transport.recv(op.peer_global, live, op.bucket))
-                    direct_ops.append(op)
+                    if verifier is not None and not self._queue_received(op, direct[-1]):
+                        late.append(op)
                     continue
                 if not free:
                     # only the oldest staged receive frees a buffer; in-place receives on other
@@ -285,15 +289,13 @@ class Reader(_Session):
             if verifier is not None:
                 t = time.perf_counter()
                 # a pulling transport tells when each bucket landed: the sums of a run of
-                # buckets overlap the later buckets' copies instead of following the last one
-                landed = getattr(transport, "landed", None)
-                for run in runs(direct_ops, RUN_BYTES):
-                    after = []
-                    if landed is not None:
-                        for op in run:
-                            after += landed(op.peer_global, op.bucket)
+                # buckets overlap the later buckets' copies instead of following the last
+                # one. (Queueing each run's sums as soon as its pulls were queued, before the
+                # later pulls, made S1 with sums 1-2 ms slower on 2 x H200 and S3 no faster.)
+                # Then the buckets received in place that the transport gave no event for.
+                for run in runs(self.pulled, RUN_BYTES) + runs(late, RUN_BYTES):
                     views = [functools.partial(region_views, op, tensors) for op in run]
-                    verifier.add_all(run, views, after)
+                    verifier.add_all(run, views, self._landed(run))
                 phases["verify"] += time.perf_counter() - t
             if self._device.type == "cuda":
                 # unpack kernels are queued on this stream: the bytes are in place only once
@@ -356,6 +358,14 @@ class Reader(_Session):
             self.on_version(result)
         return result
 
+    def _landed(self, ops: Sequence[BucketOp]) -> list:
+        """The transport's events that fire once ``ops`` landed in this reader's tensors
+        (a pulling transport's), else none: their sums then follow the current stream."""
+        landed = getattr(self.transport, "landed", None)
+        if landed is None:
+            return []
+        return [e for op in ops for e in landed(op.peer_global, op.bucket)]
+
     def _unpack_oldest(
         self,
         staged: deque,
@@ -379,9 +389,23 @@ class Reader(_Session):
         phases["unpack"] += time.perf_counter() - t
         if self._verifier is not None:
             t = time.perf_counter()
-            self._verifier.add(op, region_views(op, tensors))
+            self._verifier.queue(op, region_views(op, tensors))  # a launch per run
             phases["verify"] += time.perf_counter() - t
         return buf
+
+    def _queue_received(self, op: BucketOp, handle: Handle) -> bool:
+        """Queue the sums of ``op``, received in place, to run once its bytes landed (with
+        the next buckets', a launch per run): behind the transport's event for the receive,
+        or at once where it is done. False where neither can be (no event, not done): the
+        caller sums it once it waited for the receive."""
+        assert self._verifier is not None and self.transport is not None
+        event = self.transport.done_event(handle)
+        if event is None and not (handle.done() and handle.error is None):
+            return False
+        tensors = self.bound.tensors
+        views = functools.partial(region_views, op, tensors)
+        self._verifier.queue(op, views, () if event is None else (event,))
+        return True
 
     def _recv_words(self) -> dict[int, Handle]:
         """FP8: post the receive of each writer's word whether its weights were finite (after
@@ -522,7 +546,7 @@ class Reader(_Session):
         if self._verifier is not None:
             t = time.perf_counter()
             for op in group.spec.ops:
-                self._verifier.add(op, region_views(op, self.codec.tensors))
+                self._verifier.queue(op, region_views(op, self.codec.tensors))
             phases["verify"] += time.perf_counter() - t
 
 

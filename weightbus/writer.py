@@ -8,6 +8,7 @@ from collections import deque
 
 import torch
 
+from weightbus._green import amax_sms
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
@@ -59,6 +60,9 @@ class Writer(_Session):
         ``SyncConfig.verify``): the verifier."""
         level = self.config.verify
         self._verifier = Verifier(level) if level != "off" else None
+        if self._verifier is not None and not getattr(self.transport, "pulls", True):
+            # beside NCCL's kernels: the sums leave it some SMs (see Verifier.sms)
+            self._verifier.sms = amax_sms()
 
     def _make_codec(self, plan, codecs: CodecConfig) -> WriterCodec:
         return WriterCodec(
@@ -134,6 +138,10 @@ class Writer(_Session):
                     if not free:
                         # only the oldest staged send frees a buffer; in-place sends on other
                         # links go on meanwhile
+                        if verifier is not None:
+                            t = time.perf_counter()
+                            verifier.flush(reuse=True)  # the queued sums read the buffer first
+                            phases["verify"] += time.perf_counter() - t
                         t = time.perf_counter()
                         handle, buf = staged.popleft()
                         transport.wait([handle], deadline.left())
@@ -147,9 +155,10 @@ class Writer(_Session):
                     staged.append((transport.send(op.peer_global, view, op.bucket), buf))
                     sums = buffer_views(op, view) if verifier is not None else None
                 if sums is not None:
-                    # while the bytes travel; the buffer is reused only after its send is done
+                    # while the bytes travel, with the next buckets' (a launch per run); the
+                    # buffer is reused only after its send is done and its sums are queued
                     t = time.perf_counter()
-                    verifier.add(op, sums)
+                    verifier.queue(op, sums)
                     phases["verify"] += time.perf_counter() - t
                 done += op.nbytes
                 if progress is not None:
@@ -256,6 +265,10 @@ class Writer(_Session):
                     t = time.perf_counter()
                     codec.prepare(op)
                     phases["pack"] += time.perf_counter() - t
+                    if verifier is not None:
+                        t = time.perf_counter()
+                        verifier.flush(reuse=True)  # the queued sums read the buffer first
+                        phases["verify"] += time.perf_counter() - t
                     t = time.perf_counter()
                     handles, oldest = staged.popleft()
                     transport.wait(handles, deadline.left())
@@ -283,7 +296,7 @@ class Writer(_Session):
                 else:
                     sums = buffer_views(op, buf)
                 t = time.perf_counter()
-                verifier.add(op, sums)
+                verifier.queue(op, sums)
                 phases["verify"] += time.perf_counter() - t
             return n
 

@@ -327,6 +327,14 @@ class Transport:
             raise WeightbusError(f"{self.name} does not pull: post recv() for each bucket")
         return self._post("pull", peer, None, tag)
 
+    def done_event(self, handle: Handle) -> torch.cuda.Event | None:
+        """A CUDA event that fires once ``handle``'s operation is done on its GPU (a receive's
+        bytes in place), so that later GPU work can wait for it without the host; None where
+        this transport has none or the operation is done already (then :meth:`Handle.done`
+        says which). Lets a reader sum what it received in place while later buckets are
+        still arriving."""
+        return None
+
     def wait(self, handles: Iterable[Handle], timeout: timedelta | None = None) -> None:
         """Block until every handle is done; raise PeerFailure / SyncTimeout and abort on failure."""
         self._require_connected()

@@ -751,6 +751,9 @@ class LinksTransport(Transport):
         sub, target = self._route(peer)
         return sub.recv(target, buf, tag)
 
+    def done_event(self, handle: Handle) -> torch.cuda.Event | None:
+        return self._route(handle.peer)[0].done_event(handle)
+
     def pull(self, peer: Participant | str | int, tag: int) -> Handle:
         sub, target = self._route(peer)
         return sub.pull(target, tag)

@@ -139,6 +139,10 @@ class NcclTransport(Transport):
         handle.native = (work, event, flat)
         self._poller.add(handle)
 
+    def done_event(self, handle: Handle) -> torch.cuda.Event | None:
+        native = handle.native  # read once: the poller drops it when the operation is done
+        return None if native is None else native[1]
+
     def _settle(self, handle: Handle) -> None:
         if self._poller is not None:
             self._poller.settle(handle)
