@@ -288,6 +288,44 @@ def test_sums_of_many_buckets_at_once_equal_each_buckets_and_name_a_short_one():
         v.add_all(ops, [buckets[0], []])
 
 
+def test_queued_buckets_are_summed_in_runs_at_flush_and_collect(monkeypatch):
+    """``queue`` sums buckets a run at a time (a run once they hold RUN_BYTES, the rest at
+    ``flush`` or ``collect``), each equal to its own sums; a buffer reused after ``flush``
+    does not change the sums taken before."""
+    from types import SimpleNamespace
+
+    import weightbus.verify
+    from weightbus.verify import Verifier, route_sums
+
+    monkeypatch.setattr(weightbus.verify, "RUN_BYTES", 100)
+    launches, add_all = [], Verifier.add_all
+
+    def spy(self, ops, views, after=()):
+        launches.append([op.bucket for op in ops])
+        return add_all(self, ops, views, after)
+
+    monkeypatch.setattr(Verifier, "add_all", spy)
+    buf = torch.arange(40, dtype=torch.int16)
+    groups = [[buf[:20]], [buf[20:].view(4, 5)], [torch.randn(30)], [torch.randn(3, 4).t()]]
+    want = [route_sums(g).numpy() for g in groups]
+    ops = [SimpleNamespace(bucket=b, nbytes=40 if b < 2 else 120, copies=[None]) for b in range(4)]
+    v = Verifier("checksum")
+    v.begin()
+    v.queue(ops[0], groups[0])
+    v.queue(ops[1], groups[1])
+    assert launches == []  # 80 bytes queued, below a run
+    v.flush(reuse=True)
+    assert launches == [[0, 1]]
+    buf.fill_(7)  # the buffer written again: its sums were taken
+    v.queue(ops[2], groups[2])  # 120 bytes: a run of its own at once
+    assert launches == [[0, 1], [2]]
+    v.queue(ops[3], lambda: groups[3])
+    got = v.collect()
+    assert launches == [[0, 1], [2], [3]]
+    for b in range(4):
+        assert np.array_equal(got[b], want[b]), b
+
+
 def test_sums_change_with_a_flipped_byte_and_swapped_words():
     from weightbus.verify import route_sums
 
