@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from weightbus import metrics as _metrics
+from weightbus._green import amax_sms
 from weightbus.codecs.delta import DeltaConfig, group_aligned
 from weightbus.codecs.fp8 import Fp8Config
 from weightbus.control import status as _status
@@ -30,7 +31,7 @@ from weightbus.plan.program import BucketCopier, BucketOp, direct_view
 from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
 from weightbus.transports.base import Program, Transport, transport_class
 from weightbus.transports.links import build_transport, check_choice, choose_links
-from weightbus.verify import level_mismatch
+from weightbus.verify import Verifier, level_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -408,6 +409,16 @@ class _Session:
         _status.publish(self)
         _metrics.on_connect(self)
         return plan
+
+    def _new_verifier(self) -> Verifier | None:
+        """This epoch's verifier (``SyncConfig.verify``; None when off). Beside a pushing
+        transport on a GPU its sums leave NCCL's kernels some SMs (:attr:`Verifier.sms`)."""
+        if self.config.verify == "off":
+            return None
+        verifier = Verifier(self.config.verify)
+        if self._device.type == "cuda" and not getattr(self.transport, "pulls", True):
+            verifier.sms = amax_sms()
+        return verifier
 
     def _on_build(self) -> None:
         """Subclasses: connect-time work of their own, run at the end of every

@@ -30,7 +30,6 @@ from datetime import timedelta
 
 import torch
 
-from weightbus._green import amax_sms
 from weightbus._session import SyncResult, _Deadline, _Session
 from weightbus.codecs.delta import Group
 from weightbus.control.store import BEGIN, COMMIT
@@ -60,20 +59,17 @@ def copy_bits(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     torch's multi-tensor copy of floating tensors on CUDA goes through float32 and back, which
     turns every NaN into one (0x7fff in bf16, the payload lost), where a sync promises the
     sender's bits."""
-    pairs = list(zip(dst, src, strict=True))
-    words = [
-        (d.view(_BITS[d.element_size()]), s.view(_BITS[s.element_size()]))
-        for d, s in pairs
-        if d.dtype == s.dtype and d.element_size() in _BITS
-    ]
-    rest = [(d, s) for d, s in pairs if not (d.dtype == s.dtype and d.element_size() in _BITS)]
     copy_all = getattr(torch, "_foreach_copy_", None)
-    if copy_all is not None and words:
-        copy_all([d for d, _ in words], [s for _, s in words])
-    else:
-        rest = pairs
-    for d, s in rest:
-        d.copy_(s)
+    words: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for d, s in zip(dst, src, strict=True):
+        bits = _BITS.get(d.element_size()) if d.dtype == s.dtype else None
+        if copy_all is None or bits is None:
+            d.copy_(s)  # same dtype: bit for bit; else a cast, as asked
+        else:
+            words[0].append(d.view(bits))
+            words[1].append(s.view(bits))
+    if words[0]:
+        copy_all(*words)
 
 
 class Reader(_Session):
@@ -129,11 +125,7 @@ class Reader(_Session):
         """At connect and in every new membership epoch (once every participant agreed on
         ``SyncConfig.verify``): the verifier, and what a transactional commit copies."""
         self._told = -1  # sync numbers start again in a new epoch
-        level = self.config.verify
-        self._verifier = Verifier(level) if level != "off" else None
-        if self._verifier is not None and not getattr(self.transport, "pulls", True):
-            # beside NCCL's kernels: the sums leave it some SMs (see Verifier.sms)
-            self._verifier.sms = amax_sms()
+        self._verifier = self._new_verifier()
         self._commit_keys = sorted({c.key for op in self.ops for c in op.copies})
         # transactional: commits copy into the engine's tensors, which must stay where they are
         self._live_ptrs_at_connect = (

@@ -301,8 +301,8 @@ class Verifier:
         self._queued: list[tuple[BucketOp, object, tuple]] = []  # see queue()
         self._queued_bytes = 0
         self.sms = 0
-        """SMs of the stream the sums run on, 0 for the whole GPU. Beside NCCL (a pushing
-        transport) the session sets :func:`~weightbus._green.amax_sms`: a sum grid that
+        """SMs of the stream the sums run on, 0 for the whole GPU (set on a GPU only). Beside
+        NCCL (a pushing transport) the session sets :func:`~weightbus._green.amax_sms`: a sum grid that
         fills the GPU holds back the transport's next kernel until its own last blocks have
         started, as the FP8 amax pass did."""
 
@@ -339,9 +339,7 @@ class Verifier:
             views = [v for _, v, _ in self._queued]
             events = [e for _, _, after in self._queued for e in after]
             self._queued, self._queued_bytes = [], 0
-            first = next((v for v in views if not callable(v) and len(v)), None)
-            on_gpu = bool(events) or (first is not None and first[0].is_cuda)
-            if on_gpu and (events or self.sms):
+            if events or self.sms:
                 with self._after(events, ordered=True):
                     self.add_all(ops, views)
             else:

@@ -8,7 +8,6 @@ from collections import deque
 
 import torch
 
-from weightbus._green import amax_sms
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
@@ -58,11 +57,7 @@ class Writer(_Session):
     def _on_build(self) -> None:
         """At connect and in every new membership epoch (once every participant agreed on
         ``SyncConfig.verify``): the verifier."""
-        level = self.config.verify
-        self._verifier = Verifier(level) if level != "off" else None
-        if self._verifier is not None and not getattr(self.transport, "pulls", True):
-            # beside NCCL's kernels: the sums leave it some SMs (see Verifier.sms)
-            self._verifier.sms = amax_sms()
+        self._verifier = self._new_verifier()
 
     def _make_codec(self, plan, codecs: CodecConfig) -> WriterCodec:
         return WriterCodec(
