@@ -29,6 +29,18 @@ def test_nccl_transport_contract():
     run_contract("nccl", devices=DEVICES, timeout_s=120)
 
 
+@_needs(2)
+@pytest.mark.timeout(180)
+def test_nccl_transport_contract_one_link():
+    """One writer and one reader: single posts and NCCL groups (send_many / recv_many), bit
+    exact."""
+    from tests.transport_contract import run_contract
+
+    run_contract(
+        "nccl", devices={"writer-0": "cuda:0", "reader-0": "cuda:1"}, timeout_s=120, shape=(1, 1)
+    )
+
+
 @_needs(4)
 @pytest.mark.timeout(180)
 def test_nccl_peer_death_is_seen_by_everyone():

@@ -550,15 +550,21 @@ def _ahead_values(version: int) -> dict[str, torch.Tensor]:
 
 
 def _record_tags(transport, op: str) -> list[tuple[int, int]]:
-    """Log (peer, tag) of every ``op`` the transport is asked to post, in order."""
+    """Log (peer, tag) of every ``op`` the transport is asked to post, in order (singly or
+    in groups: ``send_many`` / ``recv_many``)."""
     log: list[tuple[int, int]] = []
-    post = getattr(transport, op)
+    post, many = getattr(transport, op), getattr(transport, f"{op}_many")
 
     def recorded(peer, buf, tag):
         log.append((int(peer), int(tag)))
         return post(peer, buf, tag)
 
+    def recorded_many(peer, items):
+        log.extend((int(peer), int(tag)) for _, tag in items)
+        return many(peer, items)
+
     setattr(transport, op, recorded)
+    setattr(transport, f"{op}_many", recorded_many)
     return log
 
 

@@ -56,6 +56,19 @@ def _configs(port: int, n_w: int, n_r: int):
     return control, sync
 
 
+def _groups(side) -> str:
+    """The session's posting groups as JSON: {"<me> <peer>": [[bucket, ...], ...]}."""
+    import json
+
+    out: dict[str, list] = {}
+    names = [p.name for p in side.plan.participants]
+    for group in side.posts:
+        peer = names[group[0][0].peer_global]
+        link = f"{side.name} {peer}" if side.role == "writer" else f"{peer} {side.name}"
+        out.setdefault(link, []).append([op.bucket for op, _ in group])
+    return json.dumps(out, separators=(",", ":"))
+
+
 def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -97,8 +110,9 @@ def _writer(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
         for v in range(1, STEPS + 1):
             fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
             writer.sync(v)
+        groups = _groups(writer)
         writer.close()
-        q.put((f"writer-{rank}", "ok", f"in place {in_place}"))
+        q.put((f"writer-{rank}", "ok", f"in place {in_place} groups {groups}"))
     except BaseException as exc:
         q.put((f"writer-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
@@ -153,13 +167,14 @@ def _reader(rank: int, port: int, n_w: int, n_r: int, mode: str, q) -> None:
                 if not torch.equal(a, b):
                     bad.append((result.version, k))
         n_in_place = sum(d is not None for d in reader.direct)
+        groups = _groups(reader)
         reader.close()
         if n_in_place == 0:
             bad.append("no bucket was received in place")
         if any(id(t) != ids[k] for k, t in tensors.items()):
             bad.append("engine tensors were replaced")
         status = "ok" if not bad and seen == list(range(1, STEPS + 1)) else "wrong"
-        q.put((f"reader-{rank}", status, f"versions {seen} mismatches {bad[:5]}"))
+        q.put((f"reader-{rank}", status, f"versions {seen} mismatches {bad[:5]} groups {groups}"))
     except BaseException as exc:
         q.put((f"reader-{rank}", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
@@ -194,6 +209,17 @@ def test_fsdp_dtensor_writers_to_tensor_parallel_readers_20_syncs():
     assert set(results) == {"writer-0", "writer-1", "reader-0", "reader-1"}, results
     for name, (status, text, _) in results.items():
         assert status == "ok", (name, text)
+    # both ends of each link post the same groups (here every writer bucket is staged, so
+    # each travels alone; tests/test_post_groups.py has a job with groups)
+    import json
+
+    links: dict[str, list] = {}
+    for _, text, _ in results.values():
+        for link, groups in json.loads(text.split(" groups ", 1)[1]).items():
+            links.setdefault(link, []).append(groups)
+    assert len(links) == 4, links
+    for link, (a, b) in links.items():
+        assert a == b, (link, a, b)
 
 
 @pytest.mark.timeout(200)

@@ -45,8 +45,9 @@ CHILD_LIMIT_S = 45.0
 DETECT_S = 12.0
 
 
-def _names() -> list[tuple[str, int]]:
-    return [("writer", r) for r in range(NUM_WRITERS)] + [("reader", r) for r in range(NUM_READERS)]
+def _names(shape: tuple[int, int]) -> list[tuple[str, int]]:
+    writers, readers = shape
+    return [("writer", r) for r in range(writers)] + [("reader", r) for r in range(readers)]
 
 
 def _payload(round_: int, writer: int, reader: int, bucket: int, nbytes: int) -> torch.Tensor:
@@ -73,7 +74,14 @@ def _watchdog(parent: int) -> None:
 
 
 def _child(
-    scenario: str, transport: str, port: int, job: str, role: str, rank: int, device: str
+    scenario: str,
+    transport: str,
+    port: int,
+    job: str,
+    role: str,
+    rank: int,
+    device: str,
+    shape: tuple[int, int],
 ) -> None:
     threading.Thread(target=_watchdog, args=(os.getppid(),), daemon=True).start()
     from weightbus.control.store import ControlConfig, ControlPlane
@@ -86,8 +94,8 @@ def _child(
         "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
     config = ControlConfig(
-        num_writers=NUM_WRITERS,
-        num_readers=NUM_READERS,
+        num_writers=shape[0],
+        num_readers=shape[1],
         address=f"127.0.0.1:{port}",
         host_store=False,
         job=job,
@@ -118,11 +126,7 @@ def _exchange(
     me, control, t, device: str, rounds: range, victim_stop: Callable | None = None
 ) -> dict:
     """Each writer sends every reader len(SIZES) buckets per round; readers check every byte."""
-    peers = (
-        [f"reader-{r}" for r in range(NUM_READERS)]
-        if me.role == "writer"
-        else [f"writer-{w}" for w in range(NUM_WRITERS)]
-    )
+    peers = [p.name for p in t.roster.all if p.role != me.role]
     bufs = {
         (p, b): torch.empty(n, dtype=torch.uint8, device=device)
         for p in peers
@@ -142,12 +146,22 @@ def _exchange(
         # interleave peers, and let readers walk the writers in the other order: posting order
         # only has to agree per peer
         order = list(range(len(SIZES)))
-        for b in order:
-            for p in peers if me.role == "writer" else reversed(peers):
-                if victim_stop is not None and victim_stop(k, b):
-                    return {}
-                op = t.send if me.role == "writer" else t.recv
-                handles.append(op(p, bufs[(p, b)], _tag(k, b)))
+        walk = peers if me.role == "writer" else list(reversed(peers))
+        size = _group_size(k)
+        if size > 1 and victim_stop is None:
+            # each peer's buckets in groups (send_many / recv_many), one peer after another
+            many = t.send_many if me.role == "writer" else t.recv_many
+            for p in walk:
+                for a in range(0, len(order), size):
+                    items = [(bufs[(p, b)], _tag(k, b)) for b in order[a : a + size]]
+                    handles += many(p, items)
+        else:
+            for b in order:
+                for p in walk:
+                    if victim_stop is not None and victim_stop(k, b):
+                        return {}
+                    op = t.send if me.role == "writer" else t.recv
+                    handles.append(op(p, bufs[(p, b)], _tag(k, b)))
         t.wait(handles, timedelta(seconds=20))
         seconds += time.perf_counter() - t0
         moved += sum(h.nbytes for h in handles)
@@ -157,6 +171,12 @@ def _exchange(
                 if not torch.equal(buf, want):
                     bad.append(f"round {k} {p} bucket {b}")
     return {"ok": not bad, "bad": bad, "bytes": moved, "seconds": seconds}
+
+
+def _group_size(round_: int) -> int:
+    """Buckets per posted group in round ``round_`` (the same on both sides of a link, as NCCL
+    requires): single posts in the first, then groups of 4, then of 5."""
+    return (1, 4, 5)[round_ % 3]
 
 
 def _role_contract(me, control, t, results, job, device) -> dict:
@@ -215,17 +235,24 @@ def process_context() -> multiprocessing.context.BaseContext:
 class _Run(Spawned):
     """The store and the participant processes of one run; kills leftovers on exit."""
 
-    def __init__(self, scenario: str, transport: str, devices: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        scenario: str,
+        transport: str,
+        devices: dict[str, str] | None,
+        shape: tuple[int, int] = (NUM_WRITERS, NUM_READERS),
+    ) -> None:
         self.store = TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
         )
         self.job = f"contract-{scenario}-{uuid.uuid4().hex[:8]}"
         ctx = process_context()
         self.procs: dict[str, multiprocessing.Process] = {}
-        for role, rank in _names():
+        self.shape = shape
+        for role, rank in _names(shape):
             name = f"{role}-{rank}"
             device = (devices or {}).get(name, "cpu")
-            args = (scenario, transport, self.store.port, self.job, role, rank, device)
+            args = (scenario, transport, self.store.port, self.job, role, rank, device, shape)
             self.procs[name] = ctx.Process(target=_child, args=args, name=name, daemon=True)
 
     def result(self, name: str, timeout_s: float) -> dict:
@@ -248,10 +275,14 @@ class _Run(Spawned):
 
 
 def run_contract(
-    transport: str, devices: dict[str, str] | None = None, timeout_s: float = 40
+    transport: str,
+    devices: dict[str, str] | None = None,
+    timeout_s: float = 40,
+    shape: tuple[int, int] = (NUM_WRITERS, NUM_READERS),
 ) -> dict:
-    """Every link at once, bit exact. Returns each participant's report."""
-    with _Run("contract", transport, devices) as run:
+    """Every link at once, bit exact, between ``shape`` (writers, readers). Returns each
+    participant's report."""
+    with _Run("contract", transport, devices, shape) as run:
         reports = {n: run.result(n, timeout_s) for n in run.procs}
         codes = run.join(run.procs, 10)
     for name, r in reports.items():
@@ -259,7 +290,7 @@ def run_contract(
         assert r["ok"], f"{name} received wrong bytes: {r['bad']}"
     per_link = sum(SIZES) * ROUNDS
     for name, r in reports.items():
-        peers = NUM_READERS if name.startswith("writer") else NUM_WRITERS
+        peers = shape[1] if name.startswith("writer") else shape[0]
         assert r["bytes"] == per_link * peers, (name, r["bytes"], per_link * peers)
     assert all(c == 0 for c in codes.values()), codes
     return reports

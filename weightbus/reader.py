@@ -244,7 +244,7 @@ class Reader(_Session):
                 verifier.begin()
             if self.codec is not None:
                 total = self._receive_coded(version, deadline, phases)
-            ops = () if self.codec is not None else self.pushed
+            posts = () if self.codec is not None else self.posts
             # FP8: the buckets sent before the writers' check for non-finite weights come
             # first (into staging, where they wait for their writer's word), then the words,
             # then the others; per writer that sent some, the receive of its word until read
@@ -252,14 +252,22 @@ class Reader(_Session):
             if self.pulled:
                 # the transport copies each bucket from the writer's tensors into ours
                 direct = [transport.pull(op.peer_global, op.bucket) for op in self.pulled]
-            for i, (op, live) in enumerate(ops):
+            i = 0  # ops posted so far (a group of in-place ones never holds a sent-ahead one)
+            for group in posts:
                 if i == len(self.ahead):
                     words = self._recv_words()
+                i += len(group)
+                op, live = group[0]
                 if live is not None:
-                    # one contiguous region of a live tensor: received in place, no staging
-                    direct.append(transport.recv(op.peer_global, live, op.bucket))
-                    if verifier is not None and not self._queue_received(op, direct[-1]):
-                        late.append(op)
+                    # contiguous regions of live tensors: received in place, no staging, a
+                    # group from one peer posted at once
+                    handles = transport.recv_many(
+                        op.peer_global, [(region, o.bucket) for o, region in group]
+                    )
+                    direct += handles
+                    for (o, _), handle in zip(group, handles, strict=True):
+                        if verifier is not None and not self._queue_received(o, handle):
+                            late.append(o)
                     continue
                 if not free:
                     # only the oldest staged receive frees a buffer; in-place receives on other
@@ -271,7 +279,7 @@ class Reader(_Session):
                 staged.append(
                     (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
                 )
-            if self.ahead and len(ops) == len(self.ahead):
+            if self.ahead and i == len(self.ahead):
                 words = self._recv_words()  # every bucket went ahead
             while staged:
                 self._unpack_oldest(staged, tensors, phases, deadline, words, version)

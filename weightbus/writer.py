@@ -123,12 +123,19 @@ class Writer(_Session):
             tensors = self.bound.tensors
             # a pulling transport's readers copy from this writer's tensors themselves (and
             # with codecs every bucket went out above)
-            ops = () if self.codec is not None else self.pushed
-            for op, live in ops:
+            posts = () if self.codec is not None else self.posts
+            for group in posts:
+                op, live = group[0]
                 if live is not None:
-                    # one contiguous region of a live tensor: sent in place, no staging
-                    direct.append(transport.send(op.peer_global, live, op.bucket))
-                    sums = region_views(op, tensors) if verifier is not None else None
+                    # contiguous regions of live tensors: sent in place, no staging, a group
+                    # to one peer posted at once
+                    direct += transport.send_many(
+                        op.peer_global, [(region, o.bucket) for o, region in group]
+                    )
+                    posted = [
+                        (o, region_views(o, tensors) if verifier is not None else None)
+                        for o, _ in group
+                    ]
                 else:
                     if not free:
                         # only the oldest staged send frees a buffer; in-place sends on other
@@ -148,17 +155,18 @@ class Writer(_Session):
                     self.copier.pack(op, tensors, view)
                     phases["pack"] += time.perf_counter() - t
                     staged.append((transport.send(op.peer_global, view, op.bucket), buf))
-                    sums = buffer_views(op, view) if verifier is not None else None
-                if sums is not None:
-                    # while the bytes travel, with the next buckets' (a launch per run); the
-                    # buffer is reused only after its send is done and its sums are queued
-                    t = time.perf_counter()
-                    verifier.queue(op, sums)
-                    phases["verify"] += time.perf_counter() - t
-                done += op.nbytes
-                if progress is not None:
-                    progress(done, total)
-            if progress is not None and (done < total or not ops):
+                    posted = [(op, buffer_views(op, view) if verifier is not None else None)]
+                for o, sums in posted:
+                    if sums is not None:
+                        # while the bytes travel, with the next buckets' (a launch per run);
+                        # a buffer is reused only after its send is done and its sums queued
+                        t = time.perf_counter()
+                        verifier.queue(o, sums)
+                        phases["verify"] += time.perf_counter() - t
+                    done += o.nbytes
+                    if progress is not None:
+                        progress(done, total)
+            if progress is not None and (done < total or not posts):
                 progress(total, total)
             drop: list[str] = []
             if verifier is not None:

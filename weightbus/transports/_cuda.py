@@ -43,8 +43,11 @@ class EventPoller:
         self.thread.join(2.0)
 
     def add(self, handle: Handle) -> None:
+        self.add_many([handle])
+
+    def add_many(self, handles: list[Handle]) -> None:
         with self.lock:
-            self.items.append(handle)
+            self.items.extend(handles)
         self.wake.set()
 
     def settle(self, handle: Handle) -> None:

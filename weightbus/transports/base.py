@@ -35,6 +35,10 @@ Lifecycle, identical for every transport::
                         direction, handles complete in posting order, so both sides post in the
                         same order (the plan's bucket order). ``buf`` must stay untouched until
                         its handle is done.
+                        hs = t.send_many(peer, [(buf, tag), ...])  /  t.recv_many(...)
+                        posts a group to one peer at once (NCCL: one group, one launch); both
+                        sides then post the same groups (NCCL leaves differently grouped
+                        operations undefined; Writer and Reader agree on them at connect).
                         t.wait(handles, timeout)
                         Blocks until every handle is done. While waiting it polls the control
                         plane: a peer that reported a failure or stopped sending heartbeats
@@ -313,6 +317,24 @@ class Transport:
         self._refuse_if_pulling("recv")
         return self._post("recv", peer, buf, tag)
 
+    def send_many(
+        self, peer: Participant | str | int, items: Sequence[tuple[torch.Tensor, int]]
+    ) -> list[Handle]:
+        """Post sending each ``(buf, tag)`` of ``items`` to ``peer``, in order, as :meth:`send`
+        posts one; returns their handles. A transport may post them as one group (NCCL: one
+        launch for all), so every buffer must be ready when this is called. Every argument is
+        checked before anything is posted."""
+        self._refuse_if_pulling("send")
+        return self._post_many("send", peer, items)
+
+    def recv_many(
+        self, peer: Participant | str | int, items: Sequence[tuple[torch.Tensor, int]]
+    ) -> list[Handle]:
+        """Post receiving into each ``(buf, tag)`` of ``items`` from ``peer``, in order (see
+        :meth:`send_many`). The peer may post the matching sends singly or in other groups."""
+        self._refuse_if_pulling("recv")
+        return self._post_many("recv", peer, items)
+
     def _refuse_if_pulling(self, op: str) -> None:
         if self.pulls:
             raise WeightbusError(
@@ -495,31 +517,56 @@ class Transport:
     def _post(
         self, op: str, peer: Participant | str | int, buf: torch.Tensor | None, tag: int
     ) -> Handle:
+        return self._post_many(op, peer, [(buf, tag)])[0]
+
+    def _post_many(
+        self,
+        op: str,
+        peer: Participant | str | int,
+        items: Sequence[tuple[torch.Tensor | None, int]],
+    ) -> list[Handle]:
         self._require_connected()
         assert self.roster is not None and self.participant is not None
         target = self._peer(peer)
         name = target.name
         if target.name == self.participant.name:
             raise ValueError(f"{self.name}: {op} to itself ({name!r}); copy locally instead")
-        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"{self.name}: tag {tag!r} must be an int in [0, {MAX_TAG}]")
-        if buf is not None:
-            self._check_buffer(buf, f"{op} buffer for {name!r}")
-        handle = Handle(op, target, tag, 0 if buf is None else buf.numel() * buf.element_size())
+        handles, bufs = [], []
+        for buf, tag in items:
+            if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+                raise ValueError(f"{self.name}: tag {tag!r} must be an int in [0, {MAX_TAG}]")
+            if buf is not None:
+                self._check_buffer(buf, f"{op} buffer for {name!r} (tag {tag})")
+            nbytes = 0 if buf is None else buf.numel() * buf.element_size()
+            handles.append(Handle(op, target, tag, nbytes))
+            bufs.append(buf)
         with self._lock:
-            self._pending[id(handle)] = handle
+            for handle in handles:
+                self._pending[id(handle)] = handle
         try:
+            self._issue_many(handles, bufs)
+        except Exception as e:
+            # posting can fail too, e.g. on a connection the peer already closed; the
+            # transport is given up on below, so every handle of the group fails with it
+            with self._lock:
+                for handle in handles:
+                    self._pending.pop(id(handle), None)
+            for handle in handles:
+                handle._finish(e)
+            self._lost(handles[0])
+        return handles
+
+    def _issue_many(self, handles: list[Handle], bufs: list[torch.Tensor | None]) -> None:
+        """Post ``handles`` (one peer, one kind of operation, in order) with their buffers
+        (None for pulls). The default posts each through ``_send`` / ``_recv`` / ``_pull``;
+        a transport that can post a group at once overrides this."""
+        for handle, buf in zip(handles, bufs, strict=True):
             if buf is None:
                 self._pull(handle)
+            elif handle.op == "send":
+                self._send(handle, buf)
             else:
-                (self._send if op == "send" else self._recv)(handle, buf)
-        except Exception as e:
-            # posting can fail too, e.g. on a connection the peer already closed
-            with self._lock:
-                self._pending.pop(id(handle), None)
-            handle._finish(e)
-            self._lost(handle)
-        return handle
+                self._recv(handle, buf)
 
     def _lost(self, handle: Handle) -> None:
         """Raise for a failed operation: the peer's own report if it made one, else ours."""

@@ -751,6 +751,18 @@ class LinksTransport(Transport):
         sub, target = self._route(peer)
         return sub.recv(target, buf, tag)
 
+    def send_many(
+        self, peer: Participant | str | int, items: Sequence[tuple[torch.Tensor, int]]
+    ) -> list[Handle]:
+        sub, target = self._route(peer)
+        return sub.send_many(target, items)
+
+    def recv_many(
+        self, peer: Participant | str | int, items: Sequence[tuple[torch.Tensor, int]]
+    ) -> list[Handle]:
+        sub, target = self._route(peer)
+        return sub.recv_many(target, items)
+
     def done_event(self, handle: Handle) -> torch.cuda.Event | None:
         return self._route(handle.peer)[0].done_event(handle)
 
