@@ -164,3 +164,12 @@ def test_a_session_posts_in_place_buckets_in_groups_both_ends_alike_bit_exact():
         link = ("writer-0", f"reader-{rank}")
         assert on_reader[link] == on_writer[link], link
         assert max(len(g) for g in on_reader[link]) > 1, on_reader[link]
+
+
+def test_a_side_whose_transport_cannot_group_makes_both_post_singly():
+    side = _side([(b, 1, 8, True) for b in range(4)])
+    cannot = local_joins(side, lambda peer: False)
+    assert not cannot[1][:, 2].any()
+    mine = local_joins(side)
+    assert _buckets(post_groups(side, mine, cannot)) == [[0], [1], [2], [3]]
+    assert _buckets(post_groups(side, mine, mine)) == [[0, 1, 2, 3]]

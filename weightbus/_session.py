@@ -196,10 +196,10 @@ class _Session:
         self.pulled: tuple[BucketOp, ...] = ()
         """The ops whose link pulls: the reader copies straight from the writer's tensors."""
         self.pushed: tuple[tuple[BucketOp, torch.Tensor | None], ...] = ()
-        self.posts: tuple[tuple[tuple[BucketOp, torch.Tensor | None], ...], ...] = ()
-        """:attr:`pushed` in the groups this participant posts at once (:func:`post_groups`)."""
         """The other ops, each with its ``direct`` entry: the writer sends them. In program
         order, except that FP8 buckets sent ahead (:attr:`ahead`) come first."""
+        self.posts: tuple[tuple[tuple[BucketOp, torch.Tensor | None], ...], ...] = ()
+        """:attr:`pushed` in the groups this participant posts at once (:func:`post_groups`)."""
         self.transport: Transport | None = None
         self.codec = None
         """The codecs' state (WriterCodec / ReaderCodec), or None when none applies here."""
@@ -417,7 +417,8 @@ class _Session:
         """:attr:`pushed` in the groups both ends of each link post at once: each side says
         which of a link's buckets may join the previous one's group on its side
         (:func:`local_joins`), through the control plane, and both apply both answers."""
-        mine = local_joins(self.pushed)
+        assert self.transport is not None
+        mine = local_joins(self.pushed, self.transport.groups_with)
         if not mine:
             return ()
         names = {peer: plan.participants[peer].name for peer in mine}
@@ -818,10 +819,14 @@ GROUPS: Schema = {"links": DictOf(str, bytes)}
 posting order with their bytes and whether each may join the previous one's group here."""
 
 
-def local_joins(pushed: Sequence[tuple[BucketOp, torch.Tensor | None]]) -> dict[int, np.ndarray]:
+def local_joins(
+    pushed: Sequence[tuple[BucketOp, torch.Tensor | None]],
+    groups_with: Callable[[int], bool] = lambda peer: True,
+) -> dict[int, np.ndarray]:
     """Per peer (global rank), its ops of ``pushed`` in order as rows ``(bucket, bytes, may
     join)``: an op may join the previous op of its link in one posted group where both are in
-    place here and non-empty."""
+    place here and non-empty, and the transport can post groups to that peer
+    (``groups_with``)."""
     rows: dict[int, list[tuple[int, int, int]]] = {}
     last: dict[int, tuple[BucketOp, torch.Tensor | None]] = {}  # peer -> its previous op
     for op, live in pushed:
@@ -833,6 +838,7 @@ def local_joins(pushed: Sequence[tuple[BucketOp, torch.Tensor | None]]) -> dict[
             and prev[1] is not None
             and op.nbytes > 0
             and prev[0].nbytes > 0
+            and groups_with(peer)
         )
         rows.setdefault(peer, []).append((op.bucket, op.nbytes, int(join)))
         last[peer] = (op, live)

@@ -322,18 +322,27 @@ class Transport:
     ) -> list[Handle]:
         """Post sending each ``(buf, tag)`` of ``items`` to ``peer``, in order, as :meth:`send`
         posts one; returns their handles. A transport may post them as one group (NCCL: one
-        launch for all), so every buffer must be ready when this is called. Every argument is
-        checked before anything is posted."""
+        launch for all), so every buffer must be ready when this is called, and the peer
+        posts the matching receives as one group too (:meth:`recv_many` with the same items:
+        NCCL leaves operations grouped differently on the two sides undefined). Every
+        argument is checked before anything is posted."""
         self._refuse_if_pulling("send")
         return self._post_many("send", peer, items)
 
     def recv_many(
         self, peer: Participant | str | int, items: Sequence[tuple[torch.Tensor, int]]
     ) -> list[Handle]:
-        """Post receiving into each ``(buf, tag)`` of ``items`` from ``peer``, in order (see
-        :meth:`send_many`). The peer may post the matching sends singly or in other groups."""
+        """Post receiving into each ``(buf, tag)`` of ``items`` from ``peer``, in order: the
+        peer's :meth:`send_many` of the same group (see there)."""
         self._refuse_if_pulling("recv")
         return self._post_many("recv", peer, items)
+
+    def groups_with(self, peer: Participant | str | int) -> bool:
+        """Whether this participant can post operations to ``peer`` in groups (the default
+        posts a group's operations one at a time, which any grouping on the peer matches).
+        Writer and Reader tell each other at connect, so a side that cannot group makes both
+        post singly."""
+        return True
 
     def _refuse_if_pulling(self, op: str) -> None:
         if self.pulls:

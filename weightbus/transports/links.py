@@ -751,6 +751,10 @@ class LinksTransport(Transport):
         sub, target = self._route(peer)
         return sub.recv(target, buf, tag)
 
+    def groups_with(self, peer: Participant | str | int) -> bool:
+        sub, target = self._route(peer)
+        return sub.groups_with(target)
+
     def send_many(
         self, peer: Participant | str | int, items: Sequence[tuple[torch.Tensor, int]]
     ) -> list[Handle]:

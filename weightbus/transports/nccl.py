@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightbus.spec import Participant
 from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
 
@@ -52,7 +53,7 @@ class NcclTransport(Transport):
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._coalesce = True  # post groups as one NCCL group (off where PyTorch lacks it)
+        self._coalesce = False  # post groups as one NCCL group (where PyTorch can: connect)
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -90,6 +91,13 @@ class NcclTransport(Transport):
         options._timeout = self.timeout
         self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
         self._poller = EventPoller(self)
+        # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts nothing
+        try:
+            self._pg._start_coalescing()
+            self._pg._end_coalescing()
+            self._coalesce = True
+        except Exception as e:  # another signature, or none: post one at a time
+            logger.info("weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e)
         # warm up every writer-reader pair in one global order (pairs sorted by (writer,
         # reader)), so each pair's communicator exists before the first sync
         t0 = time.monotonic()
@@ -132,26 +140,21 @@ class NcclTransport(Transport):
         peer, side = self._side(handles[0])
         post = self._pg.send if handles[0].op == "send" else self._pg.recv
         with torch.cuda.stream(side):
+            self._pg._start_coalescing()
             try:
-                self._pg._start_coalescing()
-            except (AttributeError, TypeError) as e:  # a PyTorch without it: one at a time
-                logger.debug("weightbus nccl: no coalescing (%s), posting singly", e)
-                self._coalesce = False
-            else:
-                try:
-                    for flat in flats:
-                        post([flat], peer, 0)
-                finally:
-                    work = self._pg._end_coalescing()
-                work.wait()
-                event = torch.cuda.Event()
-                event.record(side)
-        if not self._coalesce:
-            super()._issue_many(handles, bufs)
-            return
+                for flat in flats:
+                    post([flat], peer, 0)
+            finally:
+                work = self._pg._end_coalescing()
+            work.wait()
+            event = torch.cuda.Event()
+            event.record(side)
         for handle, flat in zip(handles, flats, strict=True):
             handle.native = (work, event, flat)
         self._poller.add_many(handles)
+
+    def groups_with(self, peer: Participant | str | int) -> bool:
+        return self._coalesce
 
     def _side(self, handle: Handle) -> tuple[int, torch.cuda.Stream]:
         """``handle``'s peer (global rank) and the side stream its operations go through,
