@@ -418,7 +418,11 @@ class _Session:
         which of a link's buckets may join the previous one's group on its side
         (:func:`local_joins`), through the control plane, and both apply both answers."""
         assert self.transport is not None
-        mine = local_joins(self.pushed, self.transport.groups_with)
+        # a side with a codec posts its buckets itself, one at a time (Writer._send_coded,
+        # Reader._receive_coded): it says so, so that its peers post singly too (an FP8
+        # reader has no codec, and would otherwise group what its writer sends singly)
+        coded = self.codec is not None
+        mine = local_joins(self.pushed, lambda peer: not coded and self.transport.groups_with(peer))
         if not mine:
             return ()
         names = {peer: plan.participants[peer].name for peer in mine}
