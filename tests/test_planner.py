@@ -282,3 +282,56 @@ def test_large_routes_are_cut_to_fit_buckets(bucket):
     rt = [allocate(lay) for lay in r]
     execute(plan, wt, rt)
     assert torch.equal(rt[0]["x"], canon["x"])
+
+
+def test_a_tensor_cut_into_routes_of_one_bucket_travels_in_place():
+    """A bucket whose routes are contiguous pieces of one tensor, lying in memory as in the
+    bucket (the planner's quarter-bucket routes of a whole tensor), is one in-place byte range
+    on both sides: what a writer's range holds is what packing gives, and writing it into the
+    reader's range lands every element (the reader's tensor poisoned first). Buckets that
+    mix tensors, hold strided regions, leave gaps or lie out of order in memory stay staged."""
+    import dataclasses
+
+    from weightbus.plan import build_program, poison
+    from weightbus.plan.program import direct_view, pack
+
+    w, r = _simple(1, 1, rows=400, cols=512)  # rows of 2 KiB: routes end on 128-byte bounds
+    bucket = 64 << 10
+    plan = make_plan(w, r, PlanOptions(bucket_bytes=bucket, route_bytes=bucket // 4))
+    wt, rt = allocate(w[0]), allocate(r[0])
+    canon = {"x": torch.randn(400, 512)}
+    fill_from_canonical(w[0], canon, wt)
+    poison(rt["x"])
+    wops, rops = build_program(plan, "writer", 0), build_program(plan, "reader", 0)
+    assert max(len(op.copies) for op in wops) >= 3  # routes cut to a quarter bucket
+    for wop, rop in zip(wops, rops, strict=True):
+        src, dst = direct_view(wop, wt), direct_view(rop, rt)
+        assert src is not None and dst is not None and src.numel() == wop.nbytes
+        buf = torch.empty(wop.nbytes, dtype=torch.uint8)
+        pack(wop, wt, buf)
+        assert torch.equal(src, buf), wop.bucket
+        dst.copy_(src)
+    assert torch.equal(rt["x"], canon["x"])
+
+    op = next(o for o in wops if len(o.copies) >= 2)
+    a, b = op.copies[0], op.copies[1]
+    swapped = (dataclasses.replace(a, offset=b.offset), dataclasses.replace(b, offset=a.offset))
+    cases = {
+        "out of order": dataclasses.replace(op, copies=swapped + op.copies[2:]),
+        "gap": dataclasses.replace(op, copies=op.copies[1:]),  # bytes no longer fill it
+        "two tensors": dataclasses.replace(op, copies=(a, dataclasses.replace(b, key="y"))),
+    }
+    tensors = dict(wt, y=wt["x"])
+    for what, bad in cases.items():
+        assert direct_view(bad, tensors) is None, what
+    # rows of 1600 bytes: the planner pads each route to 128 bytes, so the bucket has gaps
+    w2, r2 = _simple(1, 1, rows=400, cols=400)
+    padded = make_plan(w2, r2, PlanOptions(bucket_bytes=bucket, route_bytes=bucket // 4))
+    ops = build_program(padded, "writer", 0)
+    assert all(direct_view(o, allocate(w2[0])) is None for o in ops if len(o.copies) > 1)
+    # column halves of the reader's tensor: strided, staged
+    _, halves = _simple(1, 2, rows=400, cols=512)
+    plan = make_plan(w, halves, PlanOptions(bucket_bytes=bucket, route_bytes=bucket // 4))
+    ht = allocate(halves[0])
+    assert all(direct_view(o, wt) is None for o in build_program(plan, "writer", 0))
+    assert all(direct_view(o, ht) is not None for o in build_program(plan, "reader", 0))

@@ -98,15 +98,32 @@ def build_program(plan: TransferPlan, role: str, index: int) -> tuple[BucketOp, 
 
 
 def direct_view(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """The live bytes of a one-route bucket whose region is contiguous and already in the wire
-    dtype: it can travel in place (no staging), else None."""
-    if len(op.copies) != 1:
+    """The live bytes of a bucket that can travel in place (no staging), else None: its routes
+    are contiguous regions of one local tensor, already in the wire dtype, that lie in memory
+    as they lie in the bucket (one route; or a tensor cut into several routes of one bucket,
+    as the planner cuts them with ``route_bytes``)."""
+    if not op.copies or len({c.key for c in op.copies}) != 1:
         return None
-    c = op.copies[0]
-    view = tensors[c.key][c.index]
-    if view.dtype != c.dtype or not view.is_contiguous() or c.offset != 0 or c.nbytes != op.nbytes:
-        return None
-    return view.reshape(-1).view(torch.uint8)
+    if sum(c.nbytes for c in op.copies) != op.nbytes:
+        return None  # the routes leave gaps in the bucket
+    base = tensors[op.copies[0].key]
+    start = None
+    for c in op.copies:
+        view = base[c.index]
+        if view.dtype != c.dtype or not view.is_contiguous():
+            return None
+        at = view.data_ptr() - c.offset  # where the bucket's first byte would lie
+        if start is not None and at != start:
+            return None
+        start = at
+    if len(op.copies) == 1:
+        return base[op.copies[0].index].reshape(-1).view(torch.uint8)
+    # the routes cover the bucket without overlap (the planner's buckets), so they cover
+    # [start, start + nbytes) of the tensor's memory: that range, as bytes
+    storage = base.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage)
+    begin = start - storage.data_ptr()
+    return raw[begin : begin + op.nbytes]
 
 
 class BucketCopier:
