@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import re
 import threading
+import time
 import traceback
 import zlib
 from datetime import timedelta
@@ -610,7 +611,9 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
     tensors only after each writer's word that its weights were finite (written on its
     device after the amax pass). Each link carries them
     first, then the word, then the others, in the same order on both sides; the reader,
-    configured with 2 staging buffers, takes 4 to hold them. A first sync lands bit exact
+    configured with 2 staging buffers, takes 4 to hold them and 2 more, into which it posts
+    the next receives before the word comes (each writer holds its word back until it saw
+    them posted: a reader without spare buffers would wait for the word). A first sync lands bit exact
     (FP8 values and scales equal to quantizing the whole tensors). With one writer, a NaN
     in the second sync fails it after the buckets ahead were sent, and the in-place reader
     still holds the first version bit for bit."""
@@ -637,6 +640,21 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
             facts[name] = (side.ahead, len(side.plan.buckets), len(side.ops))
             facts[f"{name} staging"] = len(side._staging)
             logs[name] = _record_tags(side.transport, "send")
+            send_passed = side._send_passed
+
+            def hold_word(*args):
+                # the first sync's word waits until the reader posted the buckets ahead, the
+                # writers' words and two receives more (bounded: a reader that cannot post
+                # them before the word never will)
+                if f"{name} saw" not in facts:
+                    want = 4 + n_writers + 2  # 4 buckets ahead, a word per writer
+                    t_end = time.monotonic() + 10
+                    while len(logs.get("reader", ())) < want and time.monotonic() < t_end:
+                        time.sleep(0.01)
+                    facts[f"{name} saw"] = len(logs.get("reader", ()))
+                return send_passed(*args)
+
+            side._send_passed = hold_word
             for version in (1, 2):
                 for k, v in _ahead_values(version).items():
                     rows = v.shape[0] // n_writers
@@ -659,7 +677,8 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
             bound = _ahead_layout("reader", 0, n_writers, fp8)
             side = Reader(bound, control, sync)
             side.connect()
-            facts["reader"] = (side.ahead, len(side._staging))
+            staged = sum(d is None for d in side.direct)
+            facts["reader"] = (side.ahead, len(side._staging), staged)
             logs["reader"] = _record_tags(side.transport, "recv")
             try:
                 side.wait()
@@ -678,8 +697,12 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
     for t in threads:
         t.join(timeout=80)
     assert not any(t.is_alive() for t in threads), errors
-    ahead, staging = facts["reader"]
-    assert len(ahead) == 4 and staging == 4, facts
+    ahead, staging, staged = facts["reader"]
+    # 4 + 2 buffers, or one per staged bucket where it has fewer (here 5 buckets: a.weight's
+    # last one lands in place)
+    assert len(ahead) == 4 and staging == min(6, staged) and staged >= 5, facts
+    # every writer's word waited for the reader's receives of the next buckets, not longer
+    assert all(facts[f"writer-{r} saw"] >= 4 + n_writers + 2 for r in range(n_writers)), facts
     assert set().union(*(facts[f"writer-{r}"][0] for r in range(n_writers))) == ahead, facts
     # a writer keeps its configured buffers: it packs the buckets ahead that fit before the
     # amax pass, the others as sends free them (one writer: 4 buckets ahead, 2 buffers)

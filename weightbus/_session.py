@@ -50,7 +50,7 @@ class SyncConfig:
     """Largest bucket: the size of one staging buffer."""
     staging_buffers: int = 4
     """Staging buffers per participant; staging memory is at most this x bucket_bytes (with
-    FP8, a reader has at least as many as buckets are sent to it ahead: ``Fp8Config.ahead``). With
+    FP8, a reader has at least 2 more than buckets are sent to it ahead: ``Fp8Config.ahead``). With
     deltas a buffer holds a window's buckets to one reader (``DeltaConfig.window_bytes``), and
     at most 2 are used, or one per peer where there are more (still at most this many)."""
     cast: Mapping[str, str] = field(default_factory=dict)
@@ -348,18 +348,24 @@ class _Session:
             staged = groups
             peers = len({op.peer for op in self.ops})
             n = min(self.config.staging_buffers, max(2, peers), len(staged))
-        if self.role == "reader" and len(self.ahead) > n:
-            # FP8: a reader holds every bucket sent ahead of the writers' check at once (a
-            # writer packs those that fit in its buffers before the amax pass, the others as
-            # buffers free up: it need not take one per bucket of every reader)
-            logger.info(
-                "%s: %d staging buffers instead of staging_buffers=%d, to hold the buckets "
-                "sent before the writers' check for non-finite weights (Fp8Config.ahead)",
-                self.name,
-                len(self.ahead),
-                self.config.staging_buffers,
-            )
-            n = len(self.ahead)
+        if self.role == "reader" and self.ahead:
+            # FP8: a reader holds every bucket sent ahead of the writers' check at once, and
+            # has AHEAD_SPARE buffers more to post the next receives into while it waits for
+            # the word (with none, a profile of S6 had the link idle 0.7 ms after the word).
+            # A writer packs those that fit in its buffers, the others as buffers free up: it
+            # need not take one per bucket of every reader.
+            want = min(len(self.ahead) + AHEAD_SPARE, len(staged))
+            if want > n:
+                logger.info(
+                    "%s: %d staging buffers instead of staging_buffers=%d, to hold the %d "
+                    "buckets sent before the writers' check for non-finite weights "
+                    "(Fp8Config.ahead) and receive the next ones meanwhile",
+                    self.name,
+                    want,
+                    self.config.staging_buffers,
+                    len(self.ahead),
+                )
+                n = want
         largest = max(staged, default=0)
         self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
         # deltas: each group's directories (the first of its two messages) have a place of
@@ -809,6 +815,11 @@ def _codec_words(digest: str) -> str:
     delta = "deltas" if summary.endswith("+delta") else "no deltas"
     return f"{fp8} and {delta} ({digest})"
 
+
+AHEAD_SPARE = 2
+"""FP8: staging buffers a reader has beyond the buckets sent to it ahead of the writers' check
+for non-finite weights (``Fp8Config.ahead``), into which it receives the next buckets while
+it holds those."""
 
 GROUP_OPS = 16
 GROUP_BYTES = 1 << 30

@@ -124,8 +124,9 @@ class Fp8Config:
     the output head) and travel while the writers' amax pass runs, before its check for
     non-finite weights: the reader holds them in staging buffers and copies them into its
     tensors only once the writer says its weights were finite (a failed sync leaves its
-    tensors as they were). A reader then has at least that many staging buffers, whatever
-    ``SyncConfig.staging_buffers`` says; 0 sends nothing before the check."""
+    tensors as they were). A reader then has at least that many staging buffers and two more
+    (to receive the next buckets into meanwhile), whatever ``SyncConfig.staging_buffers``
+    says; 0 sends nothing before the check."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", tuple(self.ignore))
