@@ -319,6 +319,8 @@ def test_a_tensor_cut_into_routes_of_one_bucket_travels_in_place():
     cases = {
         "out of order": dataclasses.replace(op, copies=swapped + op.copies[2:]),
         "gap": dataclasses.replace(op, copies=op.copies[1:]),  # bytes no longer fill it
+        # a route twice instead of the next one: the byte count adds up, the bucket has a hole
+        "twice": dataclasses.replace(op, copies=(a, a) + op.copies[2:]),
         "two tensors": dataclasses.replace(op, copies=(a, dataclasses.replace(b, key="y"))),
     }
     tensors = dict(wt, y=wt["x"])

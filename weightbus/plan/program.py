@@ -104,8 +104,13 @@ def direct_view(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tens
     as the planner cuts them with ``route_bytes``)."""
     if not op.copies or len({c.key for c in op.copies}) != 1:
         return None
-    if sum(c.nbytes for c in op.copies) != op.nbytes:
-        return None  # the routes leave gaps in the bucket
+    end = 0
+    for c in sorted(op.copies, key=lambda c: c.offset):
+        if c.offset != end:
+            return None  # a gap (routes padded to 128 bytes) or an overlap in the bucket
+        end += c.nbytes
+    if end != op.nbytes:
+        return None
     base = tensors[op.copies[0].key]
     start = None
     for c in op.copies:
@@ -118,8 +123,8 @@ def direct_view(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tens
         start = at
     if len(op.copies) == 1:
         return base[op.copies[0].index].reshape(-1).view(torch.uint8)
-    # the routes cover the bucket without overlap (the planner's buckets), so they cover
-    # [start, start + nbytes) of the tensor's memory: that range, as bytes
+    # the routes fill the bucket end to end, each where the bucket's bytes would lie, so
+    # they fill [start, start + nbytes) of the tensor's memory: that range, as bytes
     storage = base.untyped_storage()
     raw = torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage)
     begin = start - storage.data_ptr()
