@@ -57,6 +57,20 @@ def test_plan_reports_bad_input_clearly():
     assert "do not split evenly over tp=5" in out.stderr
 
 
+def test_plan_refuses_simulation_flags_without_simulate():
+    """A flag that only changes the prediction must not pass silently where no prediction is
+    made: it names the flags and the fix."""
+    base = ("plan", "--model", "tiny-llama", "--writers", "fsdp:shard=2", "--readers", "whole")
+    out = _run(*base, "--wire", "fp8", "--nic-gbits", "200")
+    assert out.returncode == 2
+    assert "--wire, --nic-gbits only apply with --simulate: add --simulate" in out.stderr
+    out = _run(*base, "--serial")
+    assert out.returncode == 2 and "--serial only applies with --simulate" in out.stderr
+    out = _run(*base, "--simulate", "--wire", "fp8", "--nic-gbits", "200")
+    assert out.returncode == 0, out.stderr
+    assert "simulate preset=none" in out.stdout
+
+
 def test_bench_plan_last_line():
     out = _run(
         "bench", "plan", "--model", "tiny-llama", "--readers", "vllm:tp=4,dp=32", "--repeat", "1"

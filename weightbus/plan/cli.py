@@ -86,7 +86,8 @@ _CLUSTER_FLAGS = {
 }
 
 
-def _add_simulate_args(p: argparse.ArgumentParser) -> None:
+def _add_simulate_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The --simulate flags, as a group of ``p``'s (returned)."""
     g = p.add_argument_group(
         "simulation (--simulate)",
         "Predict one sync of the plan on a cluster, per phase. Scenarios: "
@@ -124,6 +125,17 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
         metavar="RESULTS_JSON",
         help="a bench results file (bench/results/*.json): print the measured time beside",
     )
+    return g
+
+
+def _simulation_only(group: argparse._ArgumentGroup, a: argparse.Namespace) -> list[str]:
+    """The flags of the simulation ``group`` given in ``a`` (set to other than their
+    defaults), --simulate itself left out."""
+    return [
+        action.option_strings[0]
+        for action in group._group_actions
+        if action.dest != "simulate" and getattr(a, action.dest) != action.default
+    ]
 
 
 def _simulation(a: argparse.Namespace) -> tuple[sim.Scenario | None, sim.Cluster, sim.SimOptions]:
@@ -200,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reader-dtype", default=None, help="inference dtype (default: the model's)")
     p.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 256)")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    _add_simulate_args(p)
+    simulation = _add_simulate_args(p)
     a = p.parse_args(argv)
-    if a.preset and not a.simulate:
-        p.error("--preset names a simulation scenario: add --simulate")
+    ignored = [] if a.simulate else _simulation_only(simulation, a)
+    if ignored:
+        # they change only the prediction, which is made with --simulate alone
+        verb = "applies" if len(ignored) == 1 else "apply"
+        p.error(f"{', '.join(ignored)} only {verb} with --simulate: add --simulate")
     scenario = sim.SCENARIOS[a.preset] if a.preset else None
     model_name = a.model or (scenario.model if scenario else None)
     writers_desc = a.writers or (scenario.writers if scenario else None)
