@@ -77,7 +77,7 @@ def test_module_tensors_ties_and_buffers():
     assert bound.tensors["model.scale"] is model.model.scale
     with torch.no_grad():
         bound.tensors["model.embed_tokens.weight"][0, 0] = 42.0
-    assert float(model.lm_head.weight[0, 0]) == 42.0
+    assert model.lm_head.weight[0, 0].item() == 42.0
     layout = bound.layout
     assert Layout.from_msgpack(layout.to_msgpack()).digest == layout.digest
 
