@@ -24,6 +24,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -282,7 +283,8 @@ def gpu_uuid(device: str | torch.device) -> str:
     index = d.index if d.index is not None else torch.cuda.current_device()
     if not 0 <= index < torch.cuda.device_count():
         return ""
-    uuid_ = torch.cuda.get_device_properties(index).uuid
+    # a str in torch's stubs; some builds give a struct whose str() is its repr ("<...>")
+    uuid_: Any = torch.cuda.get_device_properties(index).uuid
     text = str(uuid_)  # 8-4-4-4-12 hex, as nvidia-smi shows it after "GPU-"
     return text if not text.startswith("<") else bytes(uuid_.bytes).hex()
 

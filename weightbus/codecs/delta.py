@@ -94,6 +94,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -633,8 +634,9 @@ class _Layout:
     """The window's buckets (indices) as the shadow holds them: group by group."""
     template: bytes
     """Every bucket's header and directory, every route dense."""
-    table: object
-    """The compare and emit passes over the window's routes (Triton table or torch ops)."""
+    table: Any
+    """The compare and emit passes over the window's routes: a Triton ``WindowTable`` or a
+    :class:`_TorchWindow` (the same methods; only the Triton one's compare takes a stream)."""
 
 
 class _Window:
@@ -800,6 +802,7 @@ class DeltaEncoder:
         bk, enc, win = self._take(op)
         m_at, used, _ = enc
         self._emit(bk, enc, win, buf[bk.head :])
+        assert win.meta is not None  # (laid out when the window was analyzed)
         buf[: bk.head].copy_(win.meta[m_at : m_at + bk.head], non_blocking=True)
         return used
 
@@ -925,10 +928,10 @@ class DeltaEncoder:
             if views is None:
                 filled.append((bk, scratch))
             for i, c in enumerate(bk.op.copies):
-                isz = _itemsize(c.dtype)
+                width = _itemsize(c.dtype)
                 new = None if views is None else views[i]
                 at = bk.base - base + c.offset
-                routes.append((new, c.shape, isz, c.nbytes // isz, scratch + c.offset, at))
+                routes.append((new, c.shape, width, c.nbytes // width, scratch + c.offset, at))
             if views is None:
                 scratch += -(-bk.op.nbytes // 256) * 256
         per_bucket = [len(bk.op.copies) for bk in bks]
@@ -1108,9 +1111,9 @@ class DeltaEncoder:
         order = np.lexsort((np.arange(len(sparse)), sparse, lay.bucket))
         step = np.where(in_frames, _aligned(size), 0)[order]
         at = np.cumsum(step) - step
-        first = np.searchsorted(lay.bucket[order], np.arange(nb))
+        opens = np.searchsorted(lay.bucket[order], np.arange(nb))  # each bucket's first
         start = np.zeros(len(sparse), np.int64)
-        start[order] = at - at[np.minimum(first, len(at) - 1)][lay.bucket[order]]
+        start[order] = at - at[np.minimum(opens, len(at) - 1)][lay.bucket[order]]
         body = np.zeros(nb, np.int64)  # bytes after the directory
         np.maximum.at(body, lay.bucket, np.where(in_frames, start + size, 0))
         # the store holds the second message of every group with a framed bucket, its plain
@@ -1406,8 +1409,8 @@ class DeltaDecoder:
                 "two sides run different weightbus versions or codecs",
             )
         rows = np.frombuffer(raw, np.uint8).reshape(-1, ALIGN)
-        head = rows[span.heads[:, None] + np.arange(_HEAD.size // ALIGN)]
-        head = head.reshape(len(span.ops), _HEAD.size).view(_HEAD_FIELDS)[:, 0]
+        heads = rows[span.heads[:, None] + np.arange(_HEAD.size // ALIGN)]
+        head = heads.reshape(len(span.ops), _HEAD.size).view(_HEAD_FIELDS)[:, 0]
         ent = rows[span.entries].view(_ENT_FIELDS)[:, 0]
         n = span.counts
         bad = np.flatnonzero((head["magic"] != MAGIC) | (head["frames"] != n))
@@ -1627,8 +1630,8 @@ class DeltaDecoder:
             return
         if buf.device.type == "cpu":
             host = buf.numpy()  # the same bytes (numpy: no torch op per frame)
-            idx = [host[a:b].view("<i4" if d.ix[j] == 4 else "<i8") for _, _, j, a, b in frames]
-            ends = np.array([(x.min(), x.max()) for x in idx], np.int64)
+            ints = [host[a:b].view("<i4" if d.ix[j] == 4 else "<i8") for _, _, j, a, b in frames]
+            ends = np.array([(x.min(), x.max()) for x in ints], np.int64)
         else:
             idx = [buf[a:b].view(_INT_OF_SIZE[int(d.ix[j])]).long() for _, _, j, a, b in frames]
             ends = torch.stack([torch.stack(torch.aminmax(x)) for x in idx]).cpu().numpy()
@@ -1659,6 +1662,7 @@ class DeltaDecoder:
         """A sync starts: elements refused in an earlier sync (one that failed before its
         :meth:`check`) are not this one's."""
         if self._unchecked:
+            assert self._table is not None  # (only its launches leave elements unchecked)
             self._table.clear_faults()
             self._unchecked = False
 
@@ -1670,6 +1674,7 @@ class DeltaDecoder:
         if not self._unchecked:
             return  # nothing launched since the last check
         self._unchecked = False
+        assert self._table is not None
         count, route = self._table.faults()
         if not count:
             return
@@ -1715,7 +1720,7 @@ class DeltaDecoder:
             if not n:
                 continue
             idx = buf[off : off + n * size].view(_INT_OF_SIZE[size])
-            v = off + int(_aligned(n * size))
+            v = off + _align(n * size)
             vals = buf[v : v + n * width].view(_INT_OF_SIZE[width])
             flat, view, ratio = self._target(op, i, width)
             if ratio > 1:

@@ -529,7 +529,7 @@ def _new_cell_boxes(new: np.ndarray) -> list[tuple[tuple[int, int], tuple[int, i
         cols = np.flatnonzero(new[i])
         runs = np.split(cols, np.flatnonzero(np.diff(cols) != 1) + 1) if len(cols) else []
         rows.append((i, tuple((int(r[0]), int(r[-1]) + 1) for r in runs)))
-    boxes = []
+    boxes: list[tuple[tuple[int, int], tuple[int, int]]] = []
     i = 0
     while i < len(rows):
         j = i + 1

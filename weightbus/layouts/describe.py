@@ -27,7 +27,7 @@ from weightbus.spec import Layout, Participant
 
 __all__ = ["KINDS", "build_layouts", "parse"]
 
-KINDS = {
+KINDS: dict[str, dict[str, int | str | None]] = {
     "whole": {"replicas": 1},
     "fsdp": {"shard": None, "ep": 1},
     "megatron": {"tp": 1, "pp": 1, "ep": 1, "dp": 1, "fuse_qkv": "off"},
@@ -55,13 +55,14 @@ def parse(description: str) -> tuple[str, dict]:
             opts[key] = value
         else:
             try:
-                opts[key] = int(value)
+                number = int(value)
             except ValueError:
                 raise ValueError(
                     f"layout {description!r}: {key}={value!r} is not an integer"
                 ) from None
-            if opts[key] < 1:
-                raise ValueError(f"layout {description!r}: {key}={opts[key]} must be at least 1")
+            if number < 1:
+                raise ValueError(f"layout {description!r}: {key}={number} must be at least 1")
+            opts[key] = number
     missing = [k for k, v in opts.items() if v is None]
     if missing:
         raise ValueError(f"layout {description!r}: give {', '.join(f'{k}=N' for k in missing)}")

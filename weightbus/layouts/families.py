@@ -413,11 +413,11 @@ class ModelSpec:
         cache = self._cache.get(key)
         if cache is None:
             cache = self._cache[key] = [None] * len(self.tensors)
-        indices = np.asarray(indices, dtype=np.int64).tolist()
-        out = [cache[i] for i in indices]
+        ids: list[int] = np.asarray(indices, dtype=np.int64).tolist()
+        out = [cache[i] for i in ids]
         for j, spec in enumerate(out):
             if spec is None:
-                i = indices[j]
+                i = ids[j]
                 t = self.tensors[i]
                 out[j] = cache[i] = TensorSpec(
                     name=t.name, shape=t.shape, dtype=self.local_dtype(t, dtype)
@@ -711,11 +711,11 @@ def _build_spec(config: Mapping[str, Any], dtype: str | None) -> ModelSpec:
         b.add(f"{p}.post_attention_layernorm.weight", (h,), "replicated", "post_attn_norm", i)
         experts_start = -1
         if i in moe_layers:
-            m = f"{p}.{names.moe_module}"
-            b.add(f"{m}.gate.weight", (n_experts, h), "replicated", "router", i)
+            moe = f"{p}.{names.moe_module}"
+            b.add(f"{moe}.gate.weight", (n_experts, h), "replicated", "router", i)
             if family == "deepseek_v3":
                 b.add(
-                    f"{m}.gate.e_score_correction_bias",
+                    f"{moe}.gate.e_score_correction_bias",
                     (n_experts,),
                     "replicated",
                     "router_bias",
@@ -723,8 +723,10 @@ def _build_spec(config: Mapping[str, Any], dtype: str | None) -> ModelSpec:
                     dtype="float32",
                 )
                 if shared_i:
-                    _mlp(b, f"{m}.shared_experts", i, h, shared_i, bias=False, shared=True)
-            experts_start = b.experts(f"{m}.experts.", i, n_experts, names.expert_leaves, h, moe_i)
+                    _mlp(b, f"{moe}.shared_experts", i, h, shared_i, bias=False, shared=True)
+            experts_start = b.experts(
+                f"{moe}.experts.", i, n_experts, names.expert_leaves, h, moe_i
+            )
         else:
             _mlp(b, f"{p}.mlp", i, h, inter, mlp_bias)
         layers.append(

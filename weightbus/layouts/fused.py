@@ -41,6 +41,8 @@ dtype keep theirs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from weightbus.layouts.families import CanonicalTensor, ModelSpec
@@ -82,6 +84,7 @@ def _box(
         start[0], stop[0] = heads.start * t.unit, heads.stop * t.unit
     else:
         dim = t.dim
+        assert dim is not None  # (only replicated tensors have none)
         start[dim], stop[dim] = shard(t, dim, tp, tp_rank, "tp")
     return tuple(start), tuple(stop)
 
@@ -154,13 +157,12 @@ def _dense(model: ModelSpec, tp: int, tp_rank: int, vocab_pad: int, dtype: str |
     tensors, names = model.tensors, model.names
     _vocab(rows, model.embed, tensors[model.embed], tp, tp_rank, vocab_pad)
     for layer in model.layers:
+        indices: Sequence[int] = range(layer.start, layer.stop)
         if layer.moe:
             indices = [
                 *range(layer.start, layer.experts_start),
                 *range(layer.experts_stop, layer.stop),
             ]
-        else:
-            indices = range(layer.start, layer.stop)
         # local key -> its pieces (member, tensor, box); fused members share one key
         held: dict[str, list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = {}
         for i in indices:
@@ -232,7 +234,7 @@ def engine_layout(
             f"pass moe_tp and moe_tp_rank together (got moe_tp={moe_tp!r}, "
             f"moe_tp_rank={moe_tp_rank!r}), or neither for the default"
         )
-    if moe_tp is None:
+    if moe_tp is None or moe_tp_rank is None:
         moe_tp, moe_tp_rank = (1, 0) if ep > 1 else (tp, tp_rank)
     check_rank("moe_tp", moe_tp, moe_tp_rank)
     rows = Rows(model, participant, dtype, base=dense)

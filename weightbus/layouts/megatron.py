@@ -360,11 +360,13 @@ def megatron_layout(
         elif split == "vocab":
             _vocab(rows, i, t, tp, tp_rank, vocab_multiple)
         else:
+            assert t.dim is not None  # (only replicated tensors have none)
             _split(rows, i, t, t.dim, tp, tp_rank)
 
     if first or (last and model.tie_word_embeddings):
         add(model.embed)
     for layer in model.layers[stage.start : stage.stop]:
+        indices: Sequence[int] = range(layer.start, layer.stop)
         if layer.moe:
             own = range(
                 layer.experts_start + 3 * experts.start, layer.experts_start + 3 * experts.stop
@@ -374,8 +376,6 @@ def megatron_layout(
                 *own,
                 *range(layer.experts_stop, layer.stop),
             ]
-        else:
-            indices = range(layer.start, layer.stop)
         for i in indices:
             t = tensors[i]
             if fuse_qkv and t.group == "qkv":

@@ -50,7 +50,8 @@ def is_output_head(name: str) -> bool:
 
 def _identity(t: torch.Tensor) -> tuple:
     """Equal for two tensors exactly when they are the same data seen the same way."""
-    base, extra = t, ()
+    base = t
+    extra: tuple = ()
     if isinstance(t, DTensor):
         base = t._local_tensor
         extra = (tuple(t.shape), repr(tuple(t.placements)), id(t.device_mesh))

@@ -150,7 +150,8 @@ class CopyTable:
         device = None
         for region, wire in routes:
             size = region.element_size()
-            parts = blocks(words(region))
+            ints = words(region)
+            parts = blocks(ints) if ints is not None else None
             if parts is None or not wire.is_contiguous():
                 raise ValueError("CopyTable routes need blocks with unit column stride")
             base = wire.data_ptr()

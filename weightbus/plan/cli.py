@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if missing:
         p.error(f"give {', '.join(missing)} (or --simulate --preset NAME)")
+    assert model_name is not None and writers_desc is not None and readers_desc is not None
     bucket_mb = a.bucket_mb or (scenario.bucket_mb if scenario else 256)
     writer_dtype = a.writer_dtype or (scenario.writer_dtype if scenario else None)
     reader_dtype = a.reader_dtype or (scenario.reader_dtype if scenario else None)
@@ -239,10 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         writers = describe.build_layouts(model, writers_desc, "writer", dtype=writer_dtype)
         readers = describe.build_layouts(model, readers_desc, "reader", dtype=reader_dtype)
         build_s = time.perf_counter() - t0
-        cast = {}
         wd, rd = writer_dtype or model.dtype, reader_dtype or model.dtype
-        if wd != rd:
-            cast = {wd: rd}
+        cast = ((wd, rd),) if wd != rd else ()
         plan = make_plan(writers, readers, PlanOptions(bucket_bytes=bucket_mb << 20, cast=cast))
         prediction = None
         if a.simulate:

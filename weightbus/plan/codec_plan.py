@@ -678,10 +678,9 @@ def run_sync(
     travelled."""
     absent = set(absent)
     if writers and writers[0].scales is not None:
-        parts = [w.scales.partial(w.live) for w in writers if w.scales is not None]
-        merged = None
-        if parts[0] is not None:
-            merged = torch.stack(parts).amax(dim=0)
+        partials = [w.scales.partial(w.live) for w in writers if w.scales is not None]
+        shared = [p for p in partials if p is not None]  # every writer's, or none (no block cut)
+        merged = torch.stack(shared).amax(dim=0) if shared else None
         for w in writers:
             assert w.scales is not None
             w.scales.finish(merged)
@@ -731,7 +730,7 @@ def run_sync(
         if ri in absent:
             continue
         got = _random_bytes(members.capacity, r.device)
-        parts, n = r.take_group(members, raw, got)
+        taken, n = r.take_group(members, raw, got)
         expects = r.ahead(rop)
         if (expects is None) != (nxt is None) or (
             expects is not None and nxt is not None and expects.bucket != nxt[0].bucket
@@ -746,7 +745,7 @@ def run_sync(
                 f"bucket {b}: the directories say {n} bytes, {sent.numel()} were sent"
             )
         got[:n] = sent.to(r.device)
-        r.unpack_group(parts, got)
+        r.unpack_group(taken, got)
         moved += len(raw) + n
     for w in writers:
         w.end()

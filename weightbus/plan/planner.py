@@ -329,10 +329,10 @@ def _merge_tensors(
     wmap, wspecs, wper = _role_specs(writers)
     rmap, rspecs, rper = _role_specs(readers)
     for n in rmap.keys() - wmap.keys():
-        rs = rmap[n]
+        unheld = rmap[n]
         lay = _holder(readers, n)
         raise LayoutError(
-            f"{lay.role} {lay.name!r} expects {n} {rs.shape} {rs.dtype}, but no writer holds it: "
+            f"{lay.role} {lay.name!r} expects {n} {unheld.shape} {unheld.dtype}, but no writer holds it: "
             "add it to the trainer's layout, or drop it from the reader's"
         )
     names = sorted(wmap)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,6 +126,7 @@ def direct_view(op: BucketOp, tensors: Mapping[str, torch.Tensor]) -> torch.Tens
         return base[op.copies[0].index].reshape(-1).view(torch.uint8)
     # the routes fill the bucket end to end, each where the bucket's bytes would lie, so
     # they fill [start, start + nbytes) of the tensor's memory: that range, as bytes
+    assert start is not None  # (op.copies is not empty)
     storage = base.untyped_storage()
     raw = torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage)
     begin = start - storage.data_ptr()
@@ -141,7 +143,7 @@ class BucketCopier:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple, tuple] = {}
-        self._triton: object = None
+        self._triton: Any = None  # the kernels' module once imported; False without Triton
 
     def pack(self, op: BucketOp, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> None:
         """As :func:`pack`."""

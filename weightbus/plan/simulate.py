@@ -117,6 +117,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -695,9 +696,9 @@ def _simulate_ipc(
         for w in range(n_w):
             mine = b.src == w
             direct = int(b.nbytes[mine].sum())
-            relayed = direct - int(b.nbytes[mine & (upstream >= 0)].sum())
+            with_relays = direct - int(b.nbytes[mine & (upstream >= 0)].sum())
             busiest = int(ingress[np.unique(b.dst[mine])].max()) if mine.any() else 0
-            if not relay_pays(direct, relayed, busiest):
+            if not relay_pays(direct, with_relays, busiest):
                 upstream[mine] = -1
                 hops[mine] = 0
     # the source of each bucket: writer w -> w, upstream reader q -> n_w + q
@@ -997,7 +998,7 @@ def _first_fit(src: np.ndarray, dst: np.ndarray, n_nic: int, limit: int) -> np.n
 # CUDA IPC: one copy-engine peer copy 392.7 GB/s (ceiling ``ipc_pull_gbps``); the per-sync
 # control cost is the one value fitted for it, to that file's S1 over cuda_ipc: 42.43 ms
 # median - 40.90 ms of copies (16.06 GB at 392.7 GB/s) = 1.53 ms.
-_H200 = dict(
+_H200: dict[str, Any] = dict(
     nvlink_gbps=370.6,
     copy_gbps=2129.7,
     pcie_gbps=55.5,
