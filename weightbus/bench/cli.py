@@ -6,7 +6,7 @@ import sys
 
 SCENARIOS = {
     "plan": "planner scale: DeepSeek-V3-shaped model, 256 writers -> 128 readers, one CPU core",
-    "gpu": "syncs between GPUs of this host (S1, S2, S4) beside measured ceilings; needs CUDA",
+    "gpu": "syncs between GPUs of this host (S1-S7, S4e) beside measured ceilings; needs CUDA",
 }
 
 
