@@ -115,25 +115,15 @@ class SyncConfig:
             object.__setattr__(self, "transport", check_choice(self.transport))
 
     def plan_options(self) -> PlanOptions:
-        """The planner's options from this config's plan-related fields. With a codec on, a
-        route travels in a bucket of its own only from ``bucket_bytes`` up (``direct_bytes``
-        is raised to it): codecs encode into staging buffers and decode out of them, so no
-        route lands in place, and a bucket per large route only adds staged rounds (FP8 on
-        Llama-3-8B, 256 MiB buckets: 67 instead of 241). With FP8 alone, where every bucket
-        is one message, routes are cut to a quarter bucket so that buckets hold 3/4 of
-        ``bucket_bytes`` on average instead of half (Llama-3-8B: 45 buckets instead of 67);
-        with deltas a window's buckets travel together anyway."""
-        direct = self.direct_bytes
-        if direct > 0 and (self.fp8 is not None or self.delta is not None):
-            direct = max(direct, self.bucket_bytes)
-        fuller = self.fp8 is not None and self.delta is None
-        return PlanOptions(
+        """The planner's options from this config's plan-related fields, as its codecs plan
+        them (:meth:`CodecConfig.plan_options <weightbus.plan.codec_plan.CodecConfig.plan_options>`)."""
+        options = PlanOptions(
             bucket_bytes=self.bucket_bytes,
-            route_bytes=self.bucket_bytes // 4 if fuller else 0,
             cast=dict(self.cast),
             ignore_unread=self.ignore_unread,
-            direct_bytes=direct,
+            direct_bytes=self.direct_bytes,
         )
+        return self.codecs().plan_options(options)
 
     def codecs(self) -> CodecConfig:
         """The codecs on the wire from this config's ``fp8`` and ``delta``."""

@@ -20,9 +20,11 @@ import time
 
 import numpy as np
 
+from weightbus.codecs.fp8 import Fp8Config
 from weightbus.layouts import describe
 from weightbus.layouts.families import PRESETS, model_spec
 from weightbus.plan import simulate as sim
+from weightbus.plan.codec_plan import CodecConfig
 from weightbus.plan.planner import PlanOptions, TransferPlan, make_plan
 from weightbus.spec import LayoutError
 
@@ -212,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reader-dtype", default=None, help="inference dtype (default: the model's)")
     p.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 256)")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    simulation = _add_simulate_args(p)
+    sim_flags = _add_simulate_args(p)
     a = p.parse_args(argv)
-    ignored = [] if a.simulate else _simulation_only(simulation, a)
+    ignored = [] if a.simulate else _simulation_only(sim_flags, a)
     if ignored:
         # they change only the prediction, which is made with --simulate alone
         verb = "applies" if len(ignored) == 1 else "apply"
@@ -242,12 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t0
         wd, rd = writer_dtype or model.dtype, reader_dtype or model.dtype
         cast = ((wd, rd),) if wd != rd else ()
-        plan = make_plan(writers, readers, PlanOptions(bucket_bytes=bucket_mb << 20, cast=cast))
+        options = PlanOptions(bucket_bytes=bucket_mb << 20, cast=cast)
+        simulation = _simulation(a) if a.simulate else None
+        if simulation is not None and simulation[2].wire == "fp8":
+            options = CodecConfig(fp8=Fp8Config()).plan_options(options)  # as a job plans
+        plan = make_plan(writers, readers, options)
         prediction = None
-        if a.simulate:
-            _, cluster, options = _simulation(a)
+        if simulation is not None:
+            _, cluster, sim_options = simulation
             t1 = time.perf_counter()
-            prediction = sim.simulate(plan, cluster, options)
+            prediction = sim.simulate(plan, cluster, sim_options)
             sim_s = time.perf_counter() - t1
     except (ValueError, KeyError, LayoutError) as exc:
         print(f"weightbus plan: {exc}", file=sys.stderr)
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     a.measured,
                     scenario.bench if scenario else None,
                     prediction,
-                    plan.stats.total_bytes,
+                    int(prediction.stats["wire_bytes"]),  # FP8's bytes, with --wire fp8
                 )
             )
         except (OSError, ValueError, KeyError) as exc:

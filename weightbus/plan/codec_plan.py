@@ -68,7 +68,7 @@ from weightbus.codecs.fp8 import (
     quantized_layout,
 )
 from weightbus.errors import WeightbusError
-from weightbus.plan.planner import TransferPlan
+from weightbus.plan.planner import PlanOptions, TransferPlan
 from weightbus.plan.program import BucketCopier, BucketOp, build_program, direct_view
 from weightbus.spec import Layout, LayoutError
 
@@ -121,6 +121,27 @@ class CodecConfig:
     def digest(self) -> str:
         """A short digest of :meth:`key`, for the connect-time agreement."""
         return f"{self.summary()}:{hashlib.sha256(self.key().encode()).hexdigest()[:12]}"
+
+    def plan_options(self, options: PlanOptions) -> PlanOptions:
+        """``options`` as these codecs plan them. With a codec on, a route travels in a bucket
+        of its own only from ``bucket_bytes`` up (``direct_bytes`` is raised to it): codecs
+        encode into staging buffers and decode out of them, so no route lands in place, and a
+        bucket per large route only adds staged rounds (FP8 on Llama-3-8B, 256 MiB buckets:
+        67 instead of 241). With FP8 alone, where every bucket is one message, routes are cut
+        to a quarter bucket so that buckets hold 3/4 of ``bucket_bytes`` on average instead
+        of half (Llama-3-8B: 45 buckets instead of 67); with deltas a window's buckets travel
+        together anyway."""
+        if not self.active:
+            return options
+        direct = options.direct_bytes
+        if direct > 0:
+            direct = max(direct, options.bucket_bytes)
+        fuller = self.fp8 is not None and self.delta is None
+        return dataclasses.replace(
+            options,
+            direct_bytes=direct,
+            route_bytes=options.bucket_bytes // 4 if fuller else options.route_bytes,
+        )
 
 
 def rest_tag(op: BucketOp, num_buckets: int) -> int:

@@ -32,13 +32,20 @@ Fan-out inside a host (``fanout=True``)
     for same-node GPU sources (one copy leaves the writer, readers relay it). Neither is in
     the current Writer/Reader yet: they are the schedule the simulator proposes.
 Wire bytes
-    The plan's wire dtype (the readers' dtype) unless ``wire="fp8"``: then 2-D linear weights
-    (names ending in ``.weight``, not embeddings, ``lm_head``, norms or the MoE router ``gate``)
-    travel as 1 byte per element plus one float32 scale per 128 x 128 block of the route's box
-    (DeepSeek-V3 / Kimi-K2 FP8 checkpoints). A route whose box does not start and end on block
-    boundaries of the canonical tensor cannot be quantized by its writer alone (its blocks span
-    writers): it travels in the plan's dtype and its reader quantizes it (counted in unpack).
-    The codec itself is not modelled beyond its bytes: quantizing is a memory-bound pass.
+    The plan's wire dtype (the readers' dtype) unless ``wire="fp8"``: then the tensors the FP8
+    codec quantizes (``Fp8Config().quantizes``: 2-D weights, not norms, embeddings,
+    ``lm_head``, routers or biases) travel as 1 byte per element, and each reader gets one
+    float32 scale per 128 x 128 block its share of a tensor touches, as the codec sends them
+    (:mod:`weightbus.codecs.fp8`). Writers quantize every such route, blocks cut between
+    writers included (they agree on those blocks' amax by an all-reduce, not modelled: about
+    1/8192 of the weights' bytes at most). The totals equal the bytes of the plan a job with
+    FP8 makes (``tests/test_simulate.py`` checks it); the plan simulated is the plan dtype's,
+    with the FP8 plan options (``CodecConfig.plan_options``), so its buckets hold bf16 bytes
+    and are more than the FP8 plan's (more messages). Quantizing is a pack (a memory-bound
+    pass). Before any FP8 byte leaves, each writer reads its quantized weights once (the amax
+    pass: finite weights and the block scales), at twice the device copy rate (a read alone
+    moves half the bytes of a copy), a phase of its own that nothing overlaps; the bf16
+    buckets the codec sends beside it are not modelled.
 Pack (writers) and unpack (readers)
     A route moves in place on a side (no staging, no copy) when it is alone in its bucket, its
     region of that side's local tensor is contiguous, and that side needs no dtype change;
@@ -65,7 +72,7 @@ Combining phases
     pipeline's fill and drain (packing the largest staged bucket, unpacking one, forwarding
     one), plus posting: ``message_s`` per bucket message on the busiest participant (a
     participant posts and completes its messages one by one), plus ``control_s`` (begin, acks,
-    commit). ``pipelined=False`` adds the phases instead.
+    commit), plus the FP8 amax pass. ``pipelined=False`` adds the phases instead.
 
 CUDA IPC (``transport="cuda_ipc"``; everything above is the default ``"staged"`` model)
     Readers pull straight from the writers' GPU memory on one host (more nodes, host memory
@@ -102,8 +109,10 @@ Machines (:data:`CLUSTERS`)
     (host memory, ``bench/results/2026-11-21-4xh200-s5.json``) is predicted with the staged
     model, which is the only one for host memory: 108.5 ms against 133.1 ms measured over
     CUDA IPC relay chains (-18%); its PCIe rate is one GPU's alone (55.5 GB/s), while four
-    GPUs copying at once measured ~45 GB/s each. ``h200-8x400g``: the same GPUs, 8 per node, one 400 Gb/s RDMA NIC
-    each; the NIC rate is the line rate times an assumed 90% efficiency (not measured here:
+    GPUs copying at once measured ~45 GB/s each. S6 (FP8 over NCCL) is a prediction too:
+    30.9 ms against 29.4 ms measured on 2 x H200 (``bench/results/2026-11-22-2xh200-fp8-in-place.json``,
+    +5%; the amax pass 3.3 ms, measured 3.3 on the whole GPU). ``h200-8x400g``: the same
+    GPUs, 8 per node, one 400 Gb/s RDMA NIC each; the NIC rate is the line rate times an assumed 90% efficiency (not measured here:
     the project's machines have no RDMA NIC).
 
 What it leaves out: contention between phases for one GPU's memory bandwidth or SMs,
@@ -121,6 +130,7 @@ from typing import Any
 
 import numpy as np
 
+from weightbus.codecs.fp8 import Fp8Config
 from weightbus.plan._boxes import group_starts, lexsort_rows, volume
 from weightbus.plan.planner import TransferPlan, _local_shapes
 from weightbus.spec import itemsize
@@ -132,7 +142,6 @@ __all__ = [
     "SCENARIOS",
     "Scenario",
     "SimOptions",
-    "fp8_eligible",
     "gbps",
     "measured",
     "relative_error",
@@ -141,10 +150,8 @@ __all__ = [
 
 GB = 1e9
 MiB = 1 << 20
-FP8_BLOCK = 128
-"""Rows and columns of one FP8 scaling block."""
-FP8_SCALE_BYTES = 4
-"""One float32 scale per block."""
+SCALE_BYTES = 4
+"""One float32 FP8 scale per block."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,7 +280,8 @@ class SimOptions:
     """How the plan is run on the cluster."""
 
     wire: str = "plan"
-    """"plan": the plan's wire dtype; "fp8": FP8 block quantization of linear weights."""
+    """"plan": the plan's wire dtype; "fp8": the FP8 codec's block quantization (its default
+    :class:`~weightbus.codecs.Fp8Config`)."""
     placement: str = "auto"
     """"auto", "packed", "nodes" or "colocated" (see the module docstring)."""
     writer_memory: str = "gpu"
@@ -311,7 +319,7 @@ class Prediction:
     """Predicted wall time of one sync."""
     phases: dict[str, float]
     """Seconds per phase: pack, network, nvlink, pcie, local, unpack, fill_drain, messages,
-    control."""
+    control, and with ``wire="fp8"`` amax."""
     stats: dict[str, float]
     """Bytes and counts: wire_bytes, network_bytes, nvlink_bytes, ..., waves, network_bound_s."""
     cluster: Cluster
@@ -333,8 +341,8 @@ class Prediction:
             f"  wire           {_gb(s['wire_bytes'])} ({self.options.wire}; plan dtype "
             f"{_gb(s['plan_bytes'])})"
             + (
-                f", FP8 on {s['fp8_fraction']:.1%} of elements, {_gb(s['fp8_unaligned_bytes'])} "
-                "not block-aligned (sent unquantized)"
+                f", FP8 on {s['fp8_fraction']:.1%} of elements: {_gb(s['fp8_bytes'])} with "
+                "their block scales"
                 if self.options.wire == "fp8"
                 else ""
             ),
@@ -388,18 +396,44 @@ def _gb(x: float) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-_NOT_FP8 = ("embed_tokens", "lm_head", "norm")
+def _fp8_wire(plan: TransferPlan, elems: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per route under ``wire="fp8"``: whether it travels quantized (the codec's own rule,
+    :meth:`Fp8Config.quantizes <weightbus.codecs.Fp8Config.quantizes>` with the default
+    ignore list), and the bytes of block scales it carries. The codec sends each reader the
+    scale of every block its share of a tensor touches, once (blocks cut by writer shards
+    too: writers agree on their amax); those bytes are spread over the reader's routes of the
+    tensor by their elements, so that each reader's total is exact where its share of a
+    tensor is one box."""
+    r, config = plan.routes, Fp8Config()
+    quantized = np.array([config.quantizes(t) for t in plan.tensors], bool)[r.tensor]
+    scales = np.zeros(len(r))
+    rows = np.flatnonzero(quantized)
+    if not len(rows):
+        return quantized, scales
+    nd, block = r.start.shape[1], config.block
+    key = r.dst[rows].astype(np.int64) * len(plan.tensors) + r.tensor[rows]
+    shares, inv = np.unique(key, return_inverse=True)
+    lo = np.full((len(shares), 2), np.iinfo(np.int64).max, np.int64)
+    hi = np.zeros((len(shares), 2), np.int64)
+    np.minimum.at(lo, inv, r.start[rows, nd - 2 :])
+    np.maximum.at(hi, inv, r.stop[rows, nd - 2 :])
+    cells = np.prod(-(-hi // block) - lo // block, axis=1)
+    share_elems = np.bincount(inv, weights=elems[rows], minlength=len(shares))
+    scales[rows] = SCALE_BYTES * cells[inv] * elems[rows] / share_elems[inv]
+    return quantized, scales
 
 
-def fp8_eligible(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a canonical tensor travels FP8-quantized under ``wire="fp8"``: 2-D linear
-    weights, as in DeepSeek-V3's FP8 checkpoints (not embeddings, lm_head, norms, the router)."""
-    return (
-        len(shape) == 2
-        and name.endswith(".weight")
-        and not name.endswith(".gate.weight")
-        and not any(part in name for part in _NOT_FP8)
-    )
+def _fp8_source_bytes(r, quantized: np.ndarray, source_bytes: np.ndarray) -> np.ndarray:
+    """Per route: the writer's bytes its amax pass reads for it, counting each of a writer's
+    boxes once (a box sent to several readers is read once)."""
+    out = np.zeros(len(r))
+    rows = np.flatnonzero(quantized)
+    if not len(rows):
+        return out
+    order = rows[lexsort_rows(r.src[rows], r.tensor[rows], r.start[rows], r.stop[rows])]
+    firsts = group_starts([r.src[order], r.tensor[order], r.start[order], r.stop[order]])
+    out[order[firsts]] = source_bytes[order[firsts]]
+    return out
 
 
 def _place(
@@ -476,25 +510,9 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
     # -- wire bytes (FP8 block quantization of linear weights) --------------------------------
     wire = plan_bytes.copy()
     quantized = np.zeros(n, bool)
-    reader_quantizes = np.zeros(n, bool)
     if opts.wire == "fp8":
-        eligible_t = np.array([fp8_eligible(t.name, t.shape) for t in plan.tensors], bool)
-        shapes = np.ones((len(plan.tensors), nd), np.int64)
-        for i, t in enumerate(plan.tensors):
-            if t.shape:
-                shapes[i, nd - len(t.shape) :] = t.shape
-        eligible = eligible_t[tensor]
-        full = shapes[tensor]
-        rows = slice(nd - 2, nd)
-        aligned = np.all(
-            (r.start[:, rows] % FP8_BLOCK == 0)
-            & ((r.stop[:, rows] % FP8_BLOCK == 0) | (r.stop[:, rows] == full[:, rows])),
-            axis=1,
-        )
-        quantized = eligible & aligned
-        reader_quantizes = eligible & ~aligned
-        blocks = (-(-extent[:, nd - 2] // FP8_BLOCK)) * (-(-extent[:, nd - 1] // FP8_BLOCK))
-        wire = np.where(quantized, elems + FP8_SCALE_BYTES * blocks, plan_bytes).astype(np.float64)
+        quantized, scales = _fp8_wire(plan, elems)
+        wire = np.where(quantized, elems + scales, plan_bytes)
 
     # -- paths ---------------------------------------------------------------------------------
     same_node = snode == dnode
@@ -536,17 +554,17 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
         r.dst_local, extent, _local_shape_rows(plan.readers, dst, r.dst_key.astype(np.int64), nd)
     )
     writer_inplace = lone & src_contig & (src_item == wire_item) & ~quantized
-    reader_inplace = lone & dst_contig & ~reader_quantizes
+    reader_inplace = lone & dst_contig
     packed = sent & ~writer_inplace & (path != LOCAL)
-    # a pack reads the writer's elements and writes the wire bytes; an unpack reads and writes
-    # the wire bytes (a reader that quantizes reads the plan's bytes, writes FP8)
+    # a pack (a quantization, with FP8) reads the writer's elements and writes the wire bytes;
+    # an unpack reads and writes the wire bytes
     pack_traffic = (elems * src_item + wire) / 2
     pack_rate = np.where(src_contig, 1.0, cluster.strided_efficiency) * (
         cluster.host_copy_gbps if host_src else cluster.copy_gbps
     )
     pack_s = np.where(packed, pack_traffic / (pack_rate * GB), 0.0)
     unpacked = ~reader_inplace & (path != LOCAL)
-    unpack_traffic = np.where(reader_quantizes, (plan_bytes + elems) / 2, wire)
+    unpack_traffic = wire
     unpack_rate = np.where(dst_contig, 1.0, cluster.strided_efficiency) * cluster.copy_gbps
     unpack_s = np.where(unpacked, unpack_traffic / (unpack_rate * GB), 0.0)
     n_w, n_r = len(plan.writers), len(plan.readers)
@@ -601,9 +619,16 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
         "messages": t_msgs,
         "control": cluster.control_s,
     }
+    if opts.wire == "fp8":
+        # each writer reads its quantized weights once before FP8 bytes leave (the amax pass):
+        # a read-only pass, at twice the copy rate's bytes copied (a copy reads and writes)
+        read = _sum_by(src, _fp8_source_bytes(r, quantized, elems * src_item), n_w)
+        rate = 2 * (cluster.host_copy_gbps if host_src else cluster.copy_gbps) * GB
+        phases["amax"] = float(read.max(initial=0.0)) / rate
     overlapped = [phases[k] for k in OVERLAPPED]
     core = max(overlapped) if opts.pipelined else sum(overlapped)
-    seconds = core + phases["fill_drain"] + t_msgs + cluster.control_s
+    serial = ("fill_drain", "messages", "control", "amax")
+    seconds = core + sum(phases.get(k, 0.0) for k in serial)
 
     nodes_w = np.unique(wgpu // g)
     nodes_r = np.unique(rgpu // g)
@@ -612,7 +637,7 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
         "plan_bytes": float(plan_bytes.sum()),
         "wire_bytes": float(wire.sum()),
         "fp8_fraction": float(elems[quantized].sum() / elems_total) if elems_total else 0.0,
-        "fp8_unaligned_bytes": float(plan_bytes[reader_quantizes].sum()),
+        "fp8_bytes": float(wire[quantized].sum()),
         "network_bytes": float(wire[net].sum()),
         "nvlink_bytes": float(wire[nv].sum() + wire[fwd_in].sum()),
         "forward_bytes": float(wire[fwd_in].sum()),
@@ -758,7 +783,7 @@ def _simulate_ipc(
         "plan_bytes": total,
         "wire_bytes": total,
         "fp8_fraction": 0.0,
-        "fp8_unaligned_bytes": 0.0,
+        "fp8_bytes": 0.0,
         "network_bytes": 0.0,
         "nvlink_bytes": float(rb[~local].sum()),
         "forward_bytes": float(rb[from_reader].sum()),
@@ -1096,6 +1121,16 @@ SCENARIOS: dict[str, Scenario] = {
         options=SimOptions(placement="colocated", writer_memory="host"),
         bench="S5",
         about="16 GB in pinned host memory split in 4 -> every one of 4 GPUs gets all",
+    ),
+    "S6": Scenario(
+        model="llama-3-8b",
+        writers="whole",
+        readers="vllm:tp=1",
+        cluster="h200x4",
+        options=SimOptions(wire="fp8"),
+        bench="S6",
+        about="S1 with FP8 block quantization on the wire (over NCCL: codecs need a pushing "
+        "transport)",
     ),
 }
 
