@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from weightbus.codecs.fp8 import (
+    DEFAULT_IGNORE,
     FP8_DTYPE,
     Fp8Config,
     block_amax,
@@ -187,6 +188,29 @@ def test_block_amax_propagates_nan():
 # ---------------------------------------------------------------------------------------------
 # which tensors, and the specs on the wire
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ignore",
+    [(), DEFAULT_IGNORE, ("*.mlp.*", "model.layers.[0-3].*", "*[!t]_proj.weight", "?m_head*")],
+)
+def test_ignore_patterns_match_as_fnmatchcase(ignore):
+    """The ignore list, tested as one expression, keeps fnmatchcase's meaning: wildcards,
+    character classes and their negation, case sensitivity."""
+    import fnmatch
+
+    from weightbus.layouts.families import model_spec
+
+    names = [t.name for t in model_spec("qwen3-30b-a3b").tensors] + [
+        "LM_HEAD.weight",
+        "model.layers.10.self_attn.o_proj.weight",
+        "model.Norm.weight",
+    ]
+    cfg = Fp8Config(ignore=ignore)
+    for name in names:
+        spec = TensorSpec(name=name, shape=(256, 256), dtype="bfloat16")
+        expect = not any(fnmatch.fnmatchcase(name, p) for p in ignore)
+        assert cfg.quantizes(spec) == expect, (name, ignore)
 
 
 def test_quantized_specs_and_default_ignore_list():

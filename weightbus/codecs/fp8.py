@@ -57,6 +57,7 @@ import fnmatch
 import functools
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ class Fp8Config:
             len(spec.shape) == 2
             and spec.dtype in _SOURCE_DTYPES
             and not spec.name.endswith(SCALE_SUFFIX)
-            and not any(fnmatch.fnmatchcase(spec.name, p) for p in self.ignore)
+            and _ignored(self.ignore).match(spec.name) is None
         )
 
     def key(self) -> str:
@@ -165,6 +166,16 @@ class Fp8Config:
             f"eps={float(np.float32(self.eps)).hex()};ignore={list(self.ignore)};"
             f"ahead={self.ahead}"
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _ignored(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regular expression matching what any of the fnmatch ``patterns`` matches (case
+    sensitive, as ``fnmatchcase``): a model of 70k tensors took 0.25 s per participant to
+    test pattern by pattern, and FP8 tests every tensor several times at connect."""
+    if not patterns:
+        return re.compile(r"(?!)")  # matches nothing
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
 
 
 def scale_name(name: str) -> str:
