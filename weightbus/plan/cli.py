@@ -172,7 +172,7 @@ def _simulation(a: argparse.Namespace) -> tuple[sim.Scenario | None, sim.Cluster
     return scenario, cluster, dataclasses.replace(options, **changes)
 
 
-def _measured_line(path: str, bench_name: str | None, pred: sim.Prediction, nbytes: int) -> str:
+def _measured_line(path: str, bench_name: str | None, pred: sim.Prediction) -> str:
     with open(path) as f:
         results = json.load(f)
     # the entry of this scenario run over the simulated transport: cuda_ipc for cuda_ipc,
@@ -195,7 +195,8 @@ def _measured_line(path: str, bench_name: str | None, pred: sim.Prediction, nbyt
         f"  measured       {m['name']} over {m.get('transport', '?')}: "
         f"{m['median_s'] * 1e3:.2f} ms median ({m['min_s'] * 1e3:.2f}-"
         f"{m['max_s'] * 1e3:.2f}), {sim.gbps(m['bytes'], m['median_s']):.1f} GB/s; predicted "
-        f"{pred.seconds * 1e3:.2f} ms, {sim.gbps(nbytes, pred.seconds):.1f} GB/s ({err:+.1%})"
+        f"{pred.seconds * 1e3:.2f} ms, {sim.gbps(pred.stats['wire_bytes'], pred.seconds):.1f} "
+        f"GB/s ({err:+.1%})"
     )
 
 
@@ -276,14 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  simulated in   {sim_s:.3f} s")
     if a.measured:
         try:
-            print(
-                _measured_line(
-                    a.measured,
-                    scenario.bench if scenario else None,
-                    prediction,
-                    int(prediction.stats["wire_bytes"]),  # FP8's bytes, with --wire fp8
-                )
-            )
+            print(_measured_line(a.measured, scenario.bench if scenario else None, prediction))
         except (OSError, ValueError, KeyError) as exc:
             print(
                 f"weightbus plan: cannot read measured figures from {a.measured!r}: {exc}",

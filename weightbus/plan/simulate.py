@@ -110,10 +110,12 @@ Machines (:data:`CLUSTERS`)
     model, which is the only one for host memory: 108.5 ms against 133.1 ms measured over
     CUDA IPC relay chains (-18%); its PCIe rate is one GPU's alone (55.5 GB/s), while four
     GPUs copying at once measured ~45 GB/s each. S6 (FP8 over NCCL) is a prediction too:
-    30.9 ms against 29.4 ms measured on 2 x H200 (``bench/results/2026-11-22-2xh200-fp8-in-place.json``,
-    +5%; the amax pass 3.3 ms, measured 3.3 on the whole GPU). ``h200-8x400g``: the same
-    GPUs, 8 per node, one 400 Gb/s RDMA NIC each; the NIC rate is the line rate times an assumed 90% efficiency (not measured here:
-    the project's machines have no RDMA NIC).
+    30.9 ms against 29.4 ms measured on 2 x H200
+    (``bench/results/2026-11-22-2xh200-fp8-in-place.json``, +5%); its amax pass is predicted
+    at 3.3 ms, as measured on the whole GPU (3.8-4.1 on the 112 SMs it runs on beside the
+    sends, which the bf16 buckets sent ahead partly hide). ``h200-8x400g``: the same GPUs, 8
+    per node, one 400 Gb/s RDMA NIC each; the NIC rate is the line rate times an assumed 90%
+    efficiency (not measured here: the project's machines have no RDMA NIC).
 
 What it leaves out: contention between phases for one GPU's memory bandwidth or SMs,
 congestion and retransmits inside the network fabric (a non-blocking fabric is assumed),
@@ -130,7 +132,7 @@ from typing import Any
 
 import numpy as np
 
-from weightbus.codecs.fp8 import Fp8Config
+from weightbus.codecs.fp8 import SCALE_DTYPE, Fp8Config
 from weightbus.plan._boxes import group_starts, lexsort_rows, volume
 from weightbus.plan.planner import TransferPlan, _local_shapes
 from weightbus.spec import itemsize
@@ -150,8 +152,8 @@ __all__ = [
 
 GB = 1e9
 MiB = 1 << 20
-SCALE_BYTES = 4
-"""One float32 FP8 scale per block."""
+SCALE_BYTES = itemsize(SCALE_DTYPE)
+"""One FP8 block scale (float32)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
