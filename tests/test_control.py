@@ -429,9 +429,9 @@ def test_host_close_waits_for_the_others_then_they_lose_the_store():
     reader.close()
 
 
-def _child_reader(address: str, job: str) -> None:
+def _child_reader(address: str, job: str, writers: int = 1) -> None:
     p = Participant(role="reader", rank=1)
-    ControlPlane(p, _config(1, 2, address, host_store=False, job=job)).connect()
+    ControlPlane(p, _config(writers, 2, address, host_store=False, job=job)).connect()
     time.sleep(60)
 
 
@@ -473,6 +473,62 @@ def test_killed_process_detected_by_heartbeat_naming_it():
         assert "reader 'reader-1' stopped sending heartbeats" in str(err), str(err)
         assert err.failures[0][0] == "reader-1"
         assert seconds < 4, f"{name} took {seconds:.1f} s (heartbeat_timeout 1 s)"
+
+
+@pytest.mark.timeout(30)
+def test_a_death_seen_by_heartbeat_is_what_the_others_hear_of_first():
+    """A killed process reports nothing itself. The participant whose heartbeat check finds it
+    dead says so for it in the store before its caller acts on it (aborting a transport),
+    so a participant that hears of failures through the store names the dead one first, not
+    the failure that abort then causes elsewhere (seen in a CI run: a writer's sync named the
+    reader whose receive broke when the other writer aborted, not the reader that died)."""
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    address, job = f"127.0.0.1:{store.port}", f"dead-{uuid.uuid4().hex[:8]}"
+    child = process_context().Process(target=_child_reader, args=(address, job, 2), daemon=True)
+    child.start()
+    watcher, victim_peer, listener = _people(2, 1)  # writer-0, writer-1, reader-0
+    planes = [
+        ControlPlane(watcher, _config(2, 2, address, host_store=False, job=job)),
+        # these two look only at the store's failure log, never at heartbeats themselves
+        ControlPlane(victim_peer, _config(2, 2, address, host_store=False, job=job, heartbeat_timeout=timedelta(seconds=60))),
+        ControlPlane(listener, _config(2, 2, address, host_store=False, job=job, heartbeat_timeout=timedelta(seconds=60))),
+    ]  # fmt: skip
+    detected, secondary = threading.Event(), threading.Event()
+    try:
+
+        def body(c: ControlPlane):
+            c.participants(timeout=timedelta(seconds=20))
+            name = c.participant.name
+            if name == "writer-0":
+                os.kill(child.pid, signal.SIGKILL)
+                with pytest.raises(PeerFailure) as info:
+                    c.gather("never", timeout=timedelta(seconds=20))
+                detected.set()
+                return info.value
+            assert detected.wait(20)
+            if name == "writer-1":  # what the watcher's abort would cause
+                c.fail("gloo: writer 'writer-1' lost send to reader 'reader-0': connection closed")
+                secondary.set()
+                return None
+            assert secondary.wait(20)
+            with pytest.raises(PeerFailure) as info:
+                c.raise_if_failed(fresh=True)
+            return info.value
+
+        out = _run(planes, body)
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+    for name, got in out.items():
+        assert not isinstance(got, Exception) or isinstance(got, PeerFailure), (name, got)
+    watched, heard = out["writer-0"], out["reader-0"]
+    assert watched.failures[0][0] == "reader-1", str(watched)
+    assert [n for n, _ in heard.failures] == ["reader-1", "writer-1"], str(heard)
+    assert str(heard).startswith("reader 'reader-1' failed: reader 'reader-1' stopped sending")
+    assert "(seen by writer 'writer-0')" in heard.failures[0][1]
 
 
 def test_calls_before_connect_are_refused():

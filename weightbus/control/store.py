@@ -16,7 +16,8 @@ first epoch, 0)::
     name/<name>           "<role>/<rank>" (claimed with compare_set)
     hb/<name>             heartbeat counter, incremented every heartbeat_interval
     faillog@<e>           names of failed participants, one per line, first failure first
-    fail/<name>@<e>       msgpack: the failure text
+    fail/<name>@<e>       msgpack: the failure text (for one found dead by its heartbeats,
+                          written by the participant that found it)
     aborted@<e>           present once a sync or connect failed in epoch e
     closed/<name>         present once the participant called close()
     t/<name>/@<e>/<topic> one posted value: b"b" + raw bytes, or b"m" + msgpack
@@ -1576,17 +1577,24 @@ class ControlPlane:
                 return
             self._failed = str(error_text)
         logger.error("weightbus control: %s failed: %s", _who(self.participant), error_text)
+        self._record_failure(self.participant, self._failed)
+
+    def _record_failure(
+        self, who: Participant, text: str, *, unless_recorded: bool = False
+    ) -> None:
+        """Put ``who``'s failure in this epoch's log, after those reported before it, and mark
+        the epoch aborted; with ``unless_recorded``, only if ``who`` has none there yet. Never
+        raises."""
         store = self._store
         if store is None:
             return
-        record = {
-            "role": self.participant.role,
-            "rank": self.participant.rank,
-            "error": self._failed[:_MAX_ERROR_CHARS],
-        }
+        record = {"role": who.role, "rank": who.rank, "error": text[:_MAX_ERROR_CHARS]}
+        key = self._ekey("fail", who.name)
         try:
-            store.set(self._ekey("fail", self.participant.name), msgpack.packb(record))
-            store.append(self._ekey("faillog"), self.participant.name + "\n")
+            if unless_recorded and store.check([key]):
+                return
+            store.set(key, msgpack.packb(record))
+            store.append(self._ekey("faillog"), who.name + "\n")
             store.set(self._ekey("aborted"), b"1")
             store.add(self._key("changes"), 1)
         except Exception as e:
@@ -1681,6 +1689,12 @@ class ControlPlane:
             )
             for name, age in dead
         ]
+        # a dead process reports nothing itself: say it for it, before this participant's
+        # caller aborts its transport. Otherwise the first failure the others hear of is what
+        # that abort causes (a reader whose receive from this writer broke), not its cause
+        for name, text in failures:
+            said = f"{text} (seen by {_who(self.participant)})"
+            self._record_failure(roster[name], said, unless_recorded=True)
         raise PeerFailure("; ".join(text for _, text in failures), failures)
 
     def publish_status(self, record: dict) -> None:
