@@ -6,6 +6,7 @@ a real process has to die.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -435,20 +436,35 @@ def _child_reader(address: str, job: str, writers: int = 1) -> None:
     time.sleep(60)
 
 
-@pytest.mark.timeout(30)
-def test_killed_process_detected_by_heartbeat_naming_it():
+@contextlib.contextmanager
+def _reader_to_kill(writers: int):
+    """A store, and reader-1 of a job of ``writers`` writers and 2 readers in a process of its
+    own (to be killed); yields (address, job, process)."""
     store = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
     )
     address, job = f"127.0.0.1:{store.port}", f"kill-{uuid.uuid4().hex[:8]}"
-    child = process_context().Process(target=_child_reader, args=(address, job), daemon=True)
+    child = process_context().Process(
+        target=_child_reader, args=(address, job, writers), daemon=True
+    )
     child.start()
-    planes = [
-        ControlPlane(p, _config(1, 2, address, host_store=False, job=job)) for p in _people(1, 1)
-    ]
+    try:
+        yield address, job, child
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+
+
+@pytest.mark.timeout(30)
+def test_killed_process_detected_by_heartbeat_naming_it():
     killed = threading.Event()
     killed_at: list[float] = []
-    try:
+    with _reader_to_kill(1) as (address, job, child):
+        planes = [
+            ControlPlane(p, _config(1, 2, address, host_store=False, job=job))
+            for p in _people(1, 1)
+        ]
 
         def body(c: ControlPlane):
             c.participants(timeout=timedelta(seconds=20))
@@ -463,10 +479,6 @@ def test_killed_process_detected_by_heartbeat_naming_it():
             return info.value, time.monotonic() - killed_at[0]
 
         out = _run(planes, body)
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(5)
     for name, got in out.items():
         assert not isinstance(got, Exception), (name, got)
         err, seconds = got
@@ -482,21 +494,16 @@ def test_a_death_seen_by_heartbeat_is_what_the_others_hear_of_first():
     so a participant that hears of failures through the store names the dead one first, not
     the failure that abort then causes elsewhere (seen in a CI run: a writer's sync named the
     reader whose receive broke when the other writer aborted, not the reader that died)."""
-    store = TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
-    )
-    address, job = f"127.0.0.1:{store.port}", f"dead-{uuid.uuid4().hex[:8]}"
-    child = process_context().Process(target=_child_reader, args=(address, job, 2), daemon=True)
-    child.start()
-    watcher, victim_peer, listener = _people(2, 1)  # writer-0, writer-1, reader-0
-    planes = [
-        ControlPlane(watcher, _config(2, 2, address, host_store=False, job=job)),
-        # these two look only at the store's failure log, never at heartbeats themselves
-        ControlPlane(victim_peer, _config(2, 2, address, host_store=False, job=job, heartbeat_timeout=timedelta(seconds=60))),
-        ControlPlane(listener, _config(2, 2, address, host_store=False, job=job, heartbeat_timeout=timedelta(seconds=60))),
-    ]  # fmt: skip
+    watcher, bystander, listener = _people(2, 1)  # writer-0, writer-1, reader-0
     detected, secondary = threading.Event(), threading.Event()
-    try:
+    with _reader_to_kill(2) as (address, job, child):
+        slow = {"heartbeat_timeout": timedelta(seconds=60)}
+        planes = [
+            ControlPlane(watcher, _config(2, 2, address, host_store=False, job=job)),
+            # these two hear of failures from the store only, never from heartbeats
+            ControlPlane(bystander, _config(2, 2, address, host_store=False, job=job, **slow)),
+            ControlPlane(listener, _config(2, 2, address, host_store=False, job=job, **slow)),
+        ]
 
         def body(c: ControlPlane):
             c.participants(timeout=timedelta(seconds=20))
@@ -518,10 +525,6 @@ def test_a_death_seen_by_heartbeat_is_what_the_others_hear_of_first():
             return info.value
 
         out = _run(planes, body)
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(5)
     for name, got in out.items():
         assert not isinstance(got, Exception) or isinstance(got, PeerFailure), (name, got)
     watched, heard = out["writer-0"], out["reader-0"]
