@@ -39,9 +39,10 @@ Wire bytes
     (:mod:`weightbus.codecs.fp8`). Writers quantize every such route, blocks cut between
     writers included (they agree on those blocks' amax by an all-reduce, not modelled: about
     1/8192 of the weights' bytes at most). The totals equal the bytes of the plan a job with
-    FP8 makes (``tests/test_simulate.py`` checks it); the plan simulated is the plan dtype's,
-    with the FP8 plan options (``CodecConfig.plan_options``), so its buckets hold bf16 bytes
-    and are more than the FP8 plan's (more messages). Quantizing is a pack (a memory-bound
+    FP8 makes (``tests/test_simulate.py`` checks it). The plan simulated is in the plan dtype
+    (``weightbus plan --wire fp8`` makes it with the FP8 plan options,
+    ``CodecConfig.plan_options``), so its buckets hold bf16 bytes and are more than the FP8
+    plan's (more messages). Quantizing is a pack (a memory-bound
     pass). Before any FP8 byte leaves, each writer reads its quantized weights once (the amax
     pass: finite weights and the block scales), at twice the device copy rate (a read alone
     moves half the bytes of a copy), a phase of its own that nothing overlaps; the bf16
@@ -566,9 +567,8 @@ def simulate(plan: TransferPlan, cluster: Cluster, options: SimOptions | None = 
     )
     pack_s = np.where(packed, pack_traffic / (pack_rate * GB), 0.0)
     unpacked = ~reader_inplace & (path != LOCAL)
-    unpack_traffic = wire
     unpack_rate = np.where(dst_contig, 1.0, cluster.strided_efficiency) * cluster.copy_gbps
-    unpack_s = np.where(unpacked, unpack_traffic / (unpack_rate * GB), 0.0)
+    unpack_s = np.where(unpacked, wire / (unpack_rate * GB), 0.0)
     n_w, n_r = len(plan.writers), len(plan.readers)
     t_pack = float(_sum_by(src, pack_s, n_w).max(initial=0.0))
     t_unpack = float(_sum_by(dst, unpack_s, n_r).max(initial=0.0))
