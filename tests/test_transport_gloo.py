@@ -234,6 +234,47 @@ def test_participants_choosing_different_transports_are_stopped_at_connect():
         assert "gloo held by writer-0" in str(out[name])
 
 
+class _ClosesAfterFirst(GlooTransport):
+    """Posting a group's second receive fails as on a connection the peer just closed, once the
+    first receive has landed (as a full-suite run once timed it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posted: list = []
+
+    def _recv(self, handle, buf) -> None:
+        if self.posted:
+            assert self.posted[0]._event.wait(10)
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+        self.posted.append(handle)
+        super()._recv(handle, buf)
+
+
+def test_a_group_whose_posting_fails_after_its_first_operation_landed_raises_naming_it():
+    """When posting fails partway through a group, the first handle may already have
+    succeeded. The error must name the operation that failed, not trip over the one that
+    did not (an AssertionError in a full-suite run of the transport contract)."""
+    closes = _ClosesAfterFirst()
+
+    def writer(t):
+        h = t.send("reader-0", torch.ones(4), 0)
+        t.wait([h], timedelta(seconds=5))
+
+    def reader(t):
+        bufs = [torch.zeros(4), torch.zeros(4)]
+        with pytest.raises(PeerFailure) as info:
+            t.recv_many("writer-0", [(bufs[0], 0), (bufs[1], 1)])
+        first = closes.posted[0]
+        return info.value, first.done() and first.error is None, bufs[0]
+
+    out = _run_pair({"writer-0": writer, "reader-0": reader}, transports={"reader-0": closes})
+    assert not isinstance(out["reader-0"], BaseException), out["reader-0"]
+    err, first_ok, got = out["reader-0"]
+    assert first_ok and torch.equal(got, torch.ones(4))
+    assert "reader 'reader-0' lost recv from writer 'writer-0' (tag 1" in str(err), str(err)
+    assert "the connection closed" in str(err)
+
+
 _FAIL_BEFORE_RENDEZVOUS = """
 import threading, time
 from datetime import timedelta

@@ -556,13 +556,14 @@ class Transport:
             self._issue_many(handles, bufs)
         except Exception as e:
             # posting can fail too, e.g. on a connection the peer already closed; the
-            # transport is given up on below, so every handle of the group fails with it
+            # transport is given up on below, so every handle of the group fails with it,
+            # but for those that completed before it (a receive that landed)
             with self._lock:
                 for handle in handles:
                     self._pending.pop(id(handle), None)
             for handle in handles:
                 handle._finish(e)
-            self._lost(handles[0])
+            self._lost(next(h for h in handles if h.error is not None))
         return handles
 
     def _issue_many(self, handles: list[Handle], bufs: list[torch.Tensor | None]) -> None:
