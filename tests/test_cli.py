@@ -93,7 +93,7 @@ def test_bench_plan_reports_bad_input_clearly():
 def test_bench_gpu_checks_codec_flags_before_starting():
     """Codec settings the codecs refuse stop `weightbus bench gpu` at once (before it looks
     for GPUs or starts a process), naming the flag and the rule; `--fp8-ahead` reaches S6's
-    Fp8Config."""
+    Fp8Config, `--windows-per-pass` S7's DeltaConfig."""
     from weightbus.bench import gpu
 
     out = _run("bench", "gpu", "--fp8-ahead", "99")
@@ -101,6 +101,10 @@ def test_bench_gpu_checks_codec_flags_before_starting():
     assert "--fp8-ahead" in out.stderr and "ahead=99 must be an int in [0, 64]" in out.stderr
     out = _run("bench", "gpu", "--window-mb", "0")
     assert out.returncode == 2 and "window_bytes=0 must be >= 1" in out.stderr
+    out = _run("bench", "gpu", "--windows-per-pass", "0")
+    assert out.returncode == 2
+    assert "--windows-per-pass" in out.stderr and "windows_per_pass=0 must be >= 1" in out.stderr
+    assert gpu._scenario_codecs("S7", windows_per_pass=3)["delta"].windows_per_pass == 3
     assert gpu._scenario_codecs("S6", fp8_ahead=6)["fp8"].ahead == 6
     assert gpu._scenario_codecs("S6")["fp8"].ahead == 4  # Fp8Config's default
 

@@ -192,7 +192,9 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         device = torch.device("cuda", gpu)
         wdesc, rdesc, *_ = SCENARIOS[args.scenario]
         transport = args.scenario_transport or args.transport
-        codecs = _scenario_codecs(args.scenario, args.fp8_block, args.window_mb, args.fp8_ahead)
+        codecs = _scenario_codecs(
+            args.scenario, args.fp8_block, args.window_mb, args.fp8_ahead, args.windows_per_pass
+        )
         if codecs and not args.scenario_transport:
             transport = "nccl"
         model = model_spec(args.model, dtype="bfloat16")
@@ -340,11 +342,16 @@ class _Profile:
 
 
 def _scenario_codecs(
-    scenario: str, fp8_block: int = 128, window_mb: int | None = None, fp8_ahead: int | None = None
+    scenario: str,
+    fp8_block: int = 128,
+    window_mb: int | None = None,
+    fp8_ahead: int | None = None,
+    windows_per_pass: int | None = None,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, default Fp8Config's), S7 deltas (checksums only on request; windows of
-    ``window_mb`` MiB, default DeltaConfig's)."""
+    ``window_mb`` MiB, ``windows_per_pass`` of them compared at once, defaults
+    DeltaConfig's)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
@@ -352,6 +359,8 @@ def _scenario_codecs(
         return {"fp8": Fp8Config(block=fp8_block, **ahead)}
     if scenario == "S7":
         window = {} if window_mb is None else {"window_bytes": window_mb << 20}
+        if windows_per_pass is not None:
+            window["windows_per_pass"] = windows_per_pass
         return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
 
@@ -612,6 +621,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="S7: the delta writer's window in MiB (default: DeltaConfig's)",
     )
+    p.add_argument(
+        "--windows-per-pass",
+        type=int,
+        default=None,
+        help="S7: windows the delta writer compares at once (default: DeltaConfig's)",
+    )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument(
@@ -621,9 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= a.changed <= 1.0:
         p.error(f"--changed {a.changed}: a fraction of the elements, in [0, 1]")
     # the codecs' own checks, before any process starts
-    for flags, scenario in (("--fp8-block / --fp8-ahead", "S6"), ("--window-mb", "S7")):
+    for flags, scenario in (
+        ("--fp8-block / --fp8-ahead", "S6"),
+        ("--window-mb / --windows-per-pass", "S7"),
+    ):
         try:
-            _scenario_codecs(scenario, a.fp8_block, a.window_mb, a.fp8_ahead)
+            _scenario_codecs(scenario, a.fp8_block, a.window_mb, a.fp8_ahead, a.windows_per_pass)
         except ValueError as exc:
             p.error(f"{flags}: {exc}")
     import torch
@@ -777,7 +795,11 @@ def main(argv: list[str] | None = None) -> int:
             entry["quantize_gbps"] = round(_quantize_gbps(a.iters), 1)
         if sname == "S7":
             entry["changed_fraction"] = a.changed
-            entry["window_mb"] = a.window_mb or _scenario_codecs("S7")["delta"].window_bytes >> 20
+            delta = _scenario_codecs(
+                "S7", window_mb=a.window_mb, windows_per_pass=a.windows_per_pass
+            )["delta"]
+            entry["window_mb"] = delta.window_bytes >> 20
+            entry["windows_per_pass"] = delta.windows_per_pass
             entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
         scenarios.append(entry)
         print(
