@@ -93,7 +93,7 @@ def test_bench_plan_reports_bad_input_clearly():
 def test_bench_gpu_checks_codec_flags_before_starting():
     """Codec settings the codecs refuse stop `weightbus bench gpu` at once (before it looks
     for GPUs or starts a process), naming the flag and the rule; `--fp8-ahead` reaches S6's
-    Fp8Config, `--windows-per-pass` S7's DeltaConfig."""
+    Fp8Config, as do `--fp8-bucket-mb`, and `--windows-per-pass` S7's DeltaConfig."""
     from weightbus.bench import gpu
 
     out = _run("bench", "gpu", "--fp8-ahead", "99")
@@ -107,6 +107,11 @@ def test_bench_gpu_checks_codec_flags_before_starting():
     assert gpu._scenario_codecs("S7", windows_per_pass=3)["delta"].windows_per_pass == 3
     assert gpu._scenario_codecs("S6", fp8_ahead=6)["fp8"].ahead == 6
     assert gpu._scenario_codecs("S6")["fp8"].ahead == 4  # Fp8Config's default
+    out = _run("bench", "gpu", "--fp8-bucket-mb", "-1")
+    assert out.returncode == 2 and "--fp8-bucket-mb" in out.stderr
+    assert "bucket_bytes=-1048576 must be 0 (SyncConfig.bucket_bytes) or" in out.stderr
+    assert gpu._scenario_codecs("S6", fp8_bucket_mb=0)["fp8"].bucket_bytes == 0
+    assert gpu._scenario_codecs("S6")["fp8"].bucket_bytes == 512 << 20
 
 
 @pytest.mark.timeout(400)

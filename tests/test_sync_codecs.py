@@ -172,7 +172,7 @@ def _writer(rank: int, port: int, q) -> None:
 
         model = model_spec("tiny-llama")
         bound = bind(_canonical(model, 0))
-        control, sync = _configs(port, "fp8", 1, fp8=Fp8Config(block=BLOCK))
+        control, sync = _configs(port, "fp8", 1, fp8=Fp8Config(bucket_bytes=0, block=BLOCK))
         writer = Writer(bound, control, sync, amax_reduce=all_reduce_max())
         writer.connect()
         shared = writer.codec.scales.exchange_size
@@ -254,7 +254,7 @@ def _fp8_reader(rank: int, port: int, q) -> None:
     from weightbus.layouts.fused import engine_layout
     from weightbus.plan import allocate, poison
 
-    cfg = Fp8Config(block=BLOCK)
+    cfg = Fp8Config(bucket_bytes=0, block=BLOCK)
     model = model_spec("tiny-llama")
     layout = engine_layout(model, Participant(role="reader", rank=rank), dtype="bfloat16")
     wire = quantized_layout(layout, cfg)
@@ -412,7 +412,7 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
     def codecs(spec):
         out = {}
         if "fp8" in spec:
-            out["fp8"] = Fp8Config(block=spec["fp8"])
+            out["fp8"] = Fp8Config(bucket_bytes=0, block=spec["fp8"])
         if spec.get("delta") is True:
             out["delta"] = DeltaConfig()
         elif spec.get("delta"):
@@ -465,7 +465,7 @@ def test_fp8_non_finite_weights_fail_before_any_byte_moves(scale_format):
     from weightbus.plan import allocate
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    fp8 = Fp8Config(block=16, scale_format=scale_format)
+    fp8 = Fp8Config(bucket_bytes=0, block=16, scale_format=scale_format)
     errors: dict[str, BaseException] = {}
     held: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -582,7 +582,7 @@ def test_fp8_buckets_sent_ahead_are_the_first_ones_without_fp8_content_per_reade
     assert Fp8Config(ahead=2).key() != Fp8Config().key()  # agreed at connect
     for n_writers in (1, 2):
         for ahead in (0, 2, 4, 64):
-            fp8 = Fp8Config(block=16, ahead=ahead)
+            fp8 = Fp8Config(bucket_bytes=0, block=16, ahead=ahead)
             codecs = CodecConfig(fp8=fp8)
             writers = [
                 wire_layout(_ahead_layout("writer", r, n_writers).layout, codecs)
@@ -601,6 +601,45 @@ def test_fp8_buckets_sent_ahead_are_the_first_ones_without_fp8_content_per_reade
             assert sorted(got) == plain[:ahead], (n_writers, ahead, got, plain)
             both = CodecConfig(fp8=fp8, delta=DeltaConfig())
             assert sent_ahead(plan, both) == frozenset()  # deltas send groups, not these
+
+
+def test_fp8_buckets_are_at_least_fp8_bucket_bytes():
+    """An FP8 job without deltas plans buckets of at least ``Fp8Config.bucket_bytes`` (each is
+    one staged message; fewer larger ones are faster), routes cut to a quarter of that; a
+    larger ``SyncConfig.bucket_bytes`` wins, 0 keeps it, deltas keep it; the value is part of
+    what both sides agree on, and a bad one is refused naming the fix."""
+    from weightbus import SyncConfig
+    from weightbus.codecs import DeltaConfig, Fp8Config
+    from weightbus.layouts.describe import build_layouts
+    from weightbus.layouts.families import model_spec
+    from weightbus.plan import make_plan
+    from weightbus.plan.codec_plan import wire_layout
+
+    mib = 1 << 20
+    opts = SyncConfig(bucket_bytes=64 * mib, fp8=Fp8Config()).plan_options()
+    assert (opts.bucket_bytes, opts.route_bytes, opts.direct_bytes) == (
+        512 * mib,
+        128 * mib,
+        512 * mib,
+    )
+    opts = SyncConfig(bucket_bytes=1024 * mib, fp8=Fp8Config()).plan_options()
+    assert opts.bucket_bytes == 1024 * mib
+    opts = SyncConfig(bucket_bytes=64 * mib, fp8=Fp8Config(bucket_bytes=0)).plan_options()
+    assert (opts.bucket_bytes, opts.route_bytes) == (64 * mib, 16 * mib)
+    both = SyncConfig(bucket_bytes=64 * mib, fp8=Fp8Config(), delta=DeltaConfig())
+    assert both.plan_options().bucket_bytes == 64 * mib
+    assert Fp8Config(bucket_bytes=0).key() != Fp8Config().key()  # agreed at connect
+    for bad in (-1, 1000, True, 2.0):
+        with pytest.raises(ValueError, match=r"bucket_bytes=.* must be 0 \(SyncConfig"):
+            Fp8Config(bucket_bytes=bad)
+    # Llama-3-8B, 1 -> 1: 23 buckets (the S6 runs' plan) instead of 181 at the default 64 MiB
+    sync = SyncConfig(fp8=Fp8Config())
+    model = model_spec("llama-3-8b", dtype="bfloat16")
+    ws = [wire_layout(w, sync.codecs()) for w in build_layouts(model, "whole", "writer")]
+    rs = [wire_layout(r, sync.codecs()) for r in build_layouts(model, "vllm:tp=1", "reader")]
+    assert len(make_plan(ws, rs, sync.plan_options()).buckets) == 23
+    small = SyncConfig(fp8=Fp8Config(bucket_bytes=0))
+    assert len(make_plan(ws, rs, small.plan_options()).buckets) == 181
 
 
 @pytest.mark.timeout(90)
@@ -623,7 +662,7 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
     from weightbus.plan.codec_plan import checked_tag
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    fp8 = Fp8Config(block=16)
+    fp8 = Fp8Config(bucket_bytes=0, block=16)
     job = f"ahead{n_writers}"
     errors: dict[str, BaseException] = {}
     logs: dict[str, list] = {}
@@ -807,7 +846,8 @@ def test_fp8_and_delta_syncs_over_nccl_between_gpus(tmp_path):
     from weightbus.bench import gpu
 
     args = ["--scenarios", "S6,S7", "--model", "tiny-llama", "--iters", "2", "--warmup", "1"]
-    args += ["--bucket-mb", "1", "--fp8-block", "32", "--out", str(tmp_path), "--kind", "test"]
+    args += ["--bucket-mb", "1", "--fp8-bucket-mb", "0", "--fp8-block", "32"]
+    args += ["--out", str(tmp_path), "--kind", "test"]
     assert gpu.main(args) == 0
     result = json.loads(next(tmp_path.glob("*.json")).read_text())
     by_name = {s["name"]: s for s in result["scenarios"]}

@@ -192,9 +192,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         device = torch.device("cuda", gpu)
         wdesc, rdesc, *_ = SCENARIOS[args.scenario]
         transport = args.scenario_transport or args.transport
-        codecs = _scenario_codecs(
-            args.scenario, args.fp8_block, args.window_mb, args.fp8_ahead, args.windows_per_pass
-        )
+        codecs = _scenario_codecs(args.scenario, **_codec_flags(args))
         if codecs and not args.scenario_transport:
             transport = "nccl"
         model = model_spec(args.model, dtype="bfloat16")
@@ -343,19 +341,23 @@ class _Profile:
 
 def _scenario_codecs(
     scenario: str,
+    *,
     fp8_block: int = 128,
-    window_mb: int | None = None,
     fp8_ahead: int | None = None,
+    fp8_bucket_mb: int | None = None,
+    window_mb: int | None = None,
     windows_per_pass: int | None = None,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
-    ahead of the check, default Fp8Config's), S7 deltas (checksums only on request; windows of
-    ``window_mb`` MiB, ``windows_per_pass`` of them compared at once, defaults
-    DeltaConfig's)."""
+    ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
+    defaults Fp8Config's), S7 deltas (checksums only on request; windows of ``window_mb``
+    MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
         ahead = {} if fp8_ahead is None else {"ahead": fp8_ahead}
+        if fp8_bucket_mb is not None:
+            ahead["bucket_bytes"] = fp8_bucket_mb << 20
         return {"fp8": Fp8Config(block=fp8_block, **ahead)}
     if scenario == "S7":
         window = {} if window_mb is None else {"window_bytes": window_mb << 20}
@@ -363,6 +365,18 @@ def _scenario_codecs(
             window["windows_per_pass"] = windows_per_pass
         return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
+
+
+def _codec_flags(a) -> dict:
+    """The codec flags of ``weightbus bench gpu``'s arguments ``a``, as
+    :func:`_scenario_codecs` takes them."""
+    return {
+        "fp8_block": a.fp8_block,
+        "fp8_ahead": a.fp8_ahead,
+        "fp8_bucket_mb": a.fp8_bucket_mb,
+        "window_mb": a.window_mb,
+        "windows_per_pass": a.windows_per_pass,
+    }
 
 
 def _fp8_fraction(model, block: int) -> float:
@@ -616,6 +630,12 @@ def main(argv: list[str] | None = None) -> int:
         "each takes a staging buffer of the reader)",
     )
     p.add_argument(
+        "--fp8-bucket-mb",
+        type=int,
+        default=None,
+        help="S6: smallest FP8 bucket in MiB (default: Fp8Config's, 512; 0: --bucket-mb)",
+    )
+    p.add_argument(
         "--window-mb",
         type=int,
         default=None,
@@ -637,11 +657,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--changed {a.changed}: a fraction of the elements, in [0, 1]")
     # the codecs' own checks, before any process starts
     for flags, scenario in (
-        ("--fp8-block / --fp8-ahead", "S6"),
+        ("--fp8-block / --fp8-ahead / --fp8-bucket-mb", "S6"),
         ("--window-mb / --windows-per-pass", "S7"),
     ):
         try:
-            _scenario_codecs(scenario, a.fp8_block, a.window_mb, a.fp8_ahead, a.windows_per_pass)
+            _scenario_codecs(scenario, **_codec_flags(a))
         except ValueError as exc:
             p.error(f"{flags}: {exc}")
     import torch
@@ -788,16 +808,16 @@ def main(argv: list[str] | None = None) -> int:
             entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
         if sname == "S6":
             entry["fp8_tensors_wire_fraction"] = round(_fp8_fraction(model, a.fp8_block), 4)
-            entry["fp8_ahead"] = _scenario_codecs("S6", fp8_ahead=a.fp8_ahead)["fp8"].ahead
+            fp8 = _scenario_codecs("S6", **_codec_flags(a))["fp8"]
+            entry["fp8_ahead"] = fp8.ahead
+            entry["fp8_bucket_mb"] = max(fp8.bucket_bytes, a.bucket_mb << 20) >> 20
             r0 = res[("reader-0", 0)]
             entry["equal_to_quantization"] = r0["equal_to_quantization"]
             entry["error_over_fp8_bound"] = r0["error_over_bound"]
             entry["quantize_gbps"] = round(_quantize_gbps(a.iters), 1)
         if sname == "S7":
             entry["changed_fraction"] = a.changed
-            delta = _scenario_codecs(
-                "S7", window_mb=a.window_mb, windows_per_pass=a.windows_per_pass
-            )["delta"]
+            delta = _scenario_codecs("S7", **_codec_flags(a))["delta"]
             entry["window_mb"] = delta.window_bytes >> 20
             entry["windows_per_pass"] = delta.windows_per_pass
             entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")

@@ -127,20 +127,25 @@ class CodecConfig:
         of its own only from ``bucket_bytes`` up (``direct_bytes`` is raised to it): codecs
         encode into staging buffers and decode out of them, so no route lands in place, and a
         bucket per large route only adds staged rounds (FP8 on Llama-3-8B, 256 MiB buckets:
-        67 instead of 241). With FP8 alone, where every bucket is one message, routes are cut
-        to a quarter bucket so that buckets hold 3/4 of ``bucket_bytes`` on average instead
-        of half (Llama-3-8B: 45 buckets instead of 67); with deltas a window's buckets travel
-        together anyway."""
+        67 instead of 241). With FP8 alone, where every bucket is one message, buckets are at
+        least :attr:`Fp8Config.bucket_bytes <weightbus.codecs.Fp8Config.bucket_bytes>` and
+        routes are cut to a quarter bucket, so that buckets hold 3/4 of ``bucket_bytes`` on
+        average instead of half (Llama-3-8B, 256 MiB: 45 buckets instead of 67; 512 MiB: 23);
+        with deltas a window's buckets travel together anyway."""
         if not self.active:
             return options
+        fuller = self.fp8 is not None and self.delta is None
+        bucket = options.bucket_bytes
+        if fuller and self.fp8 is not None:
+            bucket = max(bucket, self.fp8.bucket_bytes)
         direct = options.direct_bytes
         if direct > 0:
-            direct = max(direct, options.bucket_bytes)
-        fuller = self.fp8 is not None and self.delta is None
+            direct = max(direct, bucket)
         return dataclasses.replace(
             options,
+            bucket_bytes=bucket,
             direct_bytes=direct,
-            route_bytes=options.bucket_bytes // 4 if fuller else options.route_bytes,
+            route_bytes=bucket // 4 if fuller else options.route_bytes,
         )
 
 
