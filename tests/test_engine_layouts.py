@@ -587,9 +587,11 @@ def test_init_info_carries_the_fp8_config() -> None:
     from weightbus.control.store import ControlConfig
 
     control = ControlConfig(num_writers=1, num_readers=1, address="h:1", host_store=False)
-    info = wv.InitInfo.from_configs(control, SyncConfig(fp8=Fp8Config(scale_format="ue8m0")))
+    fp8 = Fp8Config(scale_format="ue8m0", ahead=2, bucket_bytes=0, ignore=("*norm*",))
+    info = wv.InitInfo.from_configs(control, SyncConfig(fp8=fp8))
     again = wv.InitInfo(**json.loads(json.dumps(info.__dict__)))
-    assert again.configs()[1].fp8 == Fp8Config(scale_format="ue8m0")
+    assert again.configs()[1].fp8 == fp8  # every field, not only the defaults'
+    assert again.configs()[1].codecs().key() == SyncConfig(fp8=fp8).codecs().key()
     with pytest.raises(ValueError, match="Fp8Config fields"):
         wv.InitInfo(store_address="h:1", num_writers=1, num_readers=1, fp8={"blok": 128})
 

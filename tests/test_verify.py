@@ -472,7 +472,11 @@ def test_flipped_byte_is_caught_through_the_codecs(store, codec):
 
     # (deltas check sums of their own only every 20 syncs; FP8 blocks of 16 rows fit the FSDP
     # shards of the tiny model, so the writers need no amax exchange)
-    sync = {"delta": DeltaConfig()} if codec == "delta" else {"fp8": Fp8Config(bucket_bytes=0, block=16)}
+    sync = (
+        {"delta": DeltaConfig()}
+        if codec == "delta"
+        else {"fp8": Fp8Config(bucket_bytes=0, block=16)}
+    )
     out, seen = _flip_job(store, where="staged", **sync)
     err = out["reader-0"]
     assert isinstance(err, ChecksumMismatch), err

@@ -83,7 +83,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -555,6 +555,14 @@ def _refresh_mla(holder: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _fp8_fields(fp8: Fp8Config) -> dict[str, Any]:
+    """Every field of ``fp8`` as JSON values (the ignore list as a list): what a reader needs
+    to build an equal Fp8Config (the codecs' key covers all of them)."""
+    out = {f.name: getattr(fp8, f.name) for f in fields(fp8)}
+    out["ignore"] = list(fp8.ignore)
+    return out
+
+
 @dataclass
 class InitInfo:
     """What each vLLM worker needs to join a weightbus job (JSON in ``/init_weight_transfer_engine``)."""
@@ -582,8 +590,9 @@ class InitInfo:
     transport: str = "auto"
     """SyncConfig.transport."""
     fp8: dict[str, Any] | None = None
-    """SyncConfig.fp8 as the fields of an Fp8Config (block, scale_format, eps, ignore), or
-    None for no FP8; must equal the writers'."""
+    """SyncConfig.fp8 as the fields of an Fp8Config (block, scale_format, eps, ignore, ahead,
+    bucket_bytes; those left out take Fp8Config's defaults), or None for no FP8; must equal
+    the writers'."""
     sync_timeout_s: float = 300.0
     """SyncConfig.sync_timeout in seconds."""
     connect_timeout_s: float = 300.0
@@ -607,8 +616,8 @@ class InitInfo:
             return Fp8Config(**self.fp8)
         except TypeError as e:
             raise ValueError(
-                f"fp8={self.fp8!r} must hold Fp8Config fields (block, scale_format, eps, "
-                f"ignore): {e}"
+                f"fp8={self.fp8!r} must hold Fp8Config fields "
+                f"({', '.join(f.name for f in fields(Fp8Config))}): {e}"
             ) from e
 
     @classmethod
@@ -628,14 +637,7 @@ class InitInfo:
             cast=dict(sync.cast),
             ignore_unread=list(sync.ignore_unread),
             transport=sync.transport,
-            fp8=None
-            if sync.fp8 is None
-            else {
-                "block": sync.fp8.block,
-                "scale_format": sync.fp8.scale_format,
-                "eps": sync.fp8.eps,
-                "ignore": list(sync.fp8.ignore),
-            },
+            fp8=None if sync.fp8 is None else _fp8_fields(sync.fp8),
             sync_timeout_s=sync.sync_timeout.total_seconds(),
             connect_timeout_s=sync.connect_timeout.total_seconds(),
             step_timeout_s=sync.step_timeout.total_seconds(),
