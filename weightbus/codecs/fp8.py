@@ -136,7 +136,8 @@ class Fp8Config:
     buckets of 64, 256, 512 and 1024 MiB: 60.0, 32.0, 29.1-29.8 and 31.1 ms on 2 x H100;
     29.4 (256) and 27.7-27.9 ms (512) on 2 x H200. The price is staging memory: a writer's
     ``SyncConfig.staging_buffers`` and a reader's ``ahead`` + 2 buffers of this size (2 and
-    3 GiB with the defaults)."""
+    3 GiB with the defaults). Across hosts it is unmeasured; the cluster simulator's network
+    schedule, cut at the bucket size, packs Kimi-K2's plan less evenly with it (README)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", tuple(self.ignore))
