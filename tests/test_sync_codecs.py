@@ -18,6 +18,7 @@ The two jobs run one after the other in the same processes (starting them is the
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import re
 import threading
@@ -644,7 +645,7 @@ def test_fp8_buckets_are_at_least_fp8_bucket_bytes():
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n_writers", [1, 2])
-def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
+def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers, caplog):
     """With FP8, the buckets that need no amax (here of ``embed`` and ``lm_head``) travel
     before the writers' check for non-finite weights, and the reader copies them into its
     tensors only after each writer's word that its weights were finite (written on its
@@ -661,6 +662,7 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
     from weightbus.codecs.fp8 import quantize_blocks
     from weightbus.plan.codec_plan import checked_tag
 
+    caplog.set_level(logging.INFO, logger="weightbus._session")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     fp8 = Fp8Config(bucket_bytes=0, block=16)
     job = f"ahead{n_writers}"
@@ -737,6 +739,9 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers):
         t.join(timeout=80)
     assert not any(t.is_alive() for t in threads), errors
     ahead, staging, staged = facts["reader"]
+    # the connect line says how much staging each side took
+    said = [r.getMessage() for r in caplog.records if "reader-0 connected" in r.getMessage()]
+    assert len(said) == 1 and f"staging {staging} x " in said[0], said
     # 4 + 2 buffers, or one per staged bucket where it has fewer (here 5 buckets: a.weight's
     # last one lands in place)
     assert len(ahead) == 4 and staging == min(6, staged) and staged >= 5, facts

@@ -390,14 +390,17 @@ class _Session:
         self._stale = False
         self._failed = ""
         logger.info(
-            "%s %s: %d buckets (%d in place), %.1f MB per sync on this %s; plan %s (%s); "
-            "transport %s; codecs %s; membership epoch %d with %d readers",
+            "%s %s: %d buckets (%d in place), %.1f MB per sync on this %s, staging %d x "
+            "%.1f MiB; plan %s (%s); transport %s; codecs %s; membership epoch %d with %d "
+            "readers",
             self.name,
             "connected" if first else "planned again",
             len(self.ops),
             sum(d is not None for d in self.direct),
             self.bytes_per_sync / 1e6,
             self.role,
+            len(self._staging),
+            (self._staging[0].numel() if self._staging else 0) / 2**20,
             plan.digest[:12],
             plan.stats.summary(),
             self.transport.name,
