@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from weightbus.control import status
 
@@ -112,6 +114,106 @@ def test_bench_gpu_checks_codec_flags_before_starting():
     assert "bucket_bytes=-1048576 must be 0 (SyncConfig.bucket_bytes) or" in out.stderr
     assert gpu._scenario_codecs("S6", fp8_bucket_mb=0)["fp8"].bucket_bytes == 0
     assert gpu._scenario_codecs("S6")["fp8"].bucket_bytes == 512 << 20
+
+
+def test_bench_gpu_variants_are_parsed_and_checked_before_starting():
+    """`--variant 'LABEL: ARGS'` runs the scenarios again with other flags and environment
+    variables; every variant is checked (its flags, the codecs' rules) before the command
+    looks for GPUs, naming the variant; flags of the whole run are refused in a variant."""
+    import argparse
+
+    from weightbus.bench import gpu
+
+    def refused(*args: str) -> str:
+        out = _run("bench", "gpu", *args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        return out.stderr
+
+    assert "write 'LABEL: ARGS'" in refused("--variant", "b512 --bucket-mb 512")
+    err = refused("--variant", "x: --scenarios S1")
+    assert "--variant 'x': --scenarios apply to the whole run" in err
+    err = refused("--variant", "x: --fp8-ahead 99")
+    assert "--variant 'x': --fp8-block / --fp8-ahead" in err and "ahead=99 must be" in err
+    assert "unknown arguments ['--nope']" in refused("--variant", "x: --nope")
+    assert "no flags and no NAME=VALUE" in refused("--variant", "x:")
+    assert "labels must differ" in refused("--variant", "x: --iters 3", "--variant", "x: --iters 4")
+    assert "unknown ['S9']" in refused("--scenarios", "S1,S9")
+    assert "--rounds 0" in refused("--rounds", "0")
+    # good ones pass the checks: the command gets as far as looking for GPUs
+    if not torch.cuda.is_available():
+        out = _run("bench", "gpu", "--variant", "a8: WEIGHTBUS_AMAX_SMS=48 --fp8-ahead 8")
+        assert out.returncode == 2 and "needs at least 2 CUDA GPUs" in out.stderr, out.stderr
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--fp8-ahead", type=int, default=None)
+    for k in gpu._NOT_PER_VARIANT:
+        p.add_argument(f"--{k}", default=None)
+    base = p.parse_args([])
+    v = gpu._parse_variant(p, base, "a8: WEIGHTBUS_AMAX_SMS=48 --fp8-ahead 8 X_Y=a=b")
+    assert (v.label, v.env, v.args.fp8_ahead, v.args.bucket_mb) == (
+        "a8",
+        {"WEIGHTBUS_AMAX_SMS": "48", "X_Y": "a=b"},
+        8,
+        256,
+    )
+    assert base.fp8_ahead is None  # the command's own settings are untouched
+    with gpu._environment({"WEIGHTBUS_TEST_VARIANT": "1"}):
+        assert os.environ["WEIGHTBUS_TEST_VARIANT"] == "1"
+    assert "WEIGHTBUS_TEST_VARIANT" not in os.environ
+    entry = {"name": "S6", "variant": "a8", "round": 2}
+    assert gpu._display(entry) == "S6 [a8] (2)" and gpu._display({"name": "S1"}) == "S1"
+
+
+def test_bench_gpu_runs_every_variant_and_compares_codecs_with_their_own_s1(tmp_path, monkeypatch):
+    """The command's loop over rounds, variants and scenarios, with the GPU work replaced by
+    a fake (times from the settings each job got): every job has a job number of its own,
+    a variant's environment reaches its jobs only, and S6 is compared with the S1@nccl of
+    its own variant and round."""
+    from weightbus.bench import gpu
+
+    jobs = []
+
+    def fake_run_group(targets, timeout):
+        fn, args = targets[0]
+        if fn is gpu._ceiling_worker:
+            keys = ("nccl_sendrecv", "ipc_pull", "d2d_copy", "h2d_pinned", "nccl_broadcast")
+            return {("ceilings", 0): {k: [0.05] for k in keys}}
+        a = args[3]
+        amax = os.environ.get("WEIGHTBUS_AMAX_SMS")
+        jobs.append((a.scenario, a.run, a.bucket_mb, amax))
+        t = {"S1": 0.050, "S6": 0.030}[a.scenario] * (1 if a.bucket_mb == 256 else 0.9)
+        writer = {"times": [t] * a.iters, "bytes": 16 << 30, "phases": {}, "transport": "nccl"}
+        writer["sent"] = [(9 if a.scenario == "S6" else 16) << 30] * a.iters
+        reader = {"times": [t] * a.iters, "bit_exact": True, "phases": {}}
+        reader |= {"equal_to_quantization": True, "error_over_bound": 0.5}
+        return {("writer-0", 0): writer, ("reader-0", 0): reader}
+
+    monkeypatch.setattr(gpu, "_run_group", fake_run_group)
+    monkeypatch.setattr(gpu, "_quantize_gbps", lambda iters: 1.0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(gpu, "_plot", lambda result, path: None)
+    monkeypatch.delenv("WEIGHTBUS_AMAX_SMS", raising=False)
+    args = ["--scenarios", "S6", "--iters", "2", "--out", str(tmp_path), "--rounds", "2"]
+    args += ["--variant", "b512: --bucket-mb 512 WEIGHTBUS_AMAX_SMS=48", "--kind", "fake"]
+    assert gpu.main(args) == 0
+    assert "WEIGHTBUS_AMAX_SMS" not in os.environ
+    assert [j[1] for j in jobs] == list(range(8))  # one job number each: no name reused
+    assert [(s, b, e) for s, _, b, e in jobs] == 2 * [
+        ("S1", 256, None), ("S6", 256, None), ("S1", 512, "48"), ("S6", 512, "48")
+    ]  # fmt: skip
+    result = json.loads((tmp_path / next(p.name for p in tmp_path.glob("*.json"))).read_text())
+    got = [(s["name"], s.get("variant"), s["round"], s["median_s"]) for s in result["scenarios"]]
+    assert got == [
+        (name, var, rnd, round(t * (1 if var is None else 0.9), 5))
+        for rnd in (1, 2)
+        for var in (None, "b512")
+        for name, t in (("S1@nccl", 0.05), ("S6", 0.03))
+    ]
+    # 27 / 45 ms: against the base's S1@nccl (50 ms) it would read 0.54
+    assert [s["ratio"] for s in result["scenarios"] if s["name"] == "S6"] == [0.6] * 4
+    assert result["scenarios"][2]["variant_args"] == "--bucket-mb 512 WEIGHTBUS_AMAX_SMS=48"
 
 
 @pytest.mark.timeout(400)

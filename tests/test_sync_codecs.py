@@ -845,7 +845,7 @@ def test_fp8_and_delta_syncs_over_nccl_between_gpus(tmp_path):
     """S6 and S7 of ``weightbus bench gpu`` on a small model: Writer/Reader over NCCL with FP8
     (equal to the quantization on the GPU, within the bound) and with deltas (bit exact after
     the sparse syncs, and after a dense one into poisoned tensors), also when nothing
-    changed between syncs."""
+    changed between syncs; and the same scenarios as a ``--variant``."""
     import json
 
     from weightbus.bench import gpu
@@ -853,11 +853,18 @@ def test_fp8_and_delta_syncs_over_nccl_between_gpus(tmp_path):
     args = ["--scenarios", "S6,S7", "--model", "tiny-llama", "--iters", "2", "--warmup", "1"]
     args += ["--bucket-mb", "1", "--fp8-bucket-mb", "0", "--fp8-block", "32"]
     args += ["--out", str(tmp_path), "--kind", "test"]
+    # and again as a variant (other buckets, an environment variable), each in one job of its
+    # own in this process, compared with its own S1@nccl
+    args += ["--variant", "b2: --bucket-mb 2 WEIGHTBUS_AMAX_SMS=0"]
     assert gpu.main(args) == 0
     result = json.loads(next(tmp_path.glob("*.json")).read_text())
-    by_name = {s["name"]: s for s in result["scenarios"]}
+    by_name = {s["name"]: s for s in result["scenarios"] if "variant" not in s}
     assert set(by_name) == {"S1@nccl", "S6", "S7"}
-    for s in by_name.values():
+    varied = {s["name"]: s for s in result["scenarios"] if s.get("variant") == "b2"}
+    assert set(varied) == {"S1@nccl", "S6", "S7"} and len(result["scenarios"]) == 6
+    assert varied["S6"]["s1_nccl_median_s"] == varied["S1@nccl"]["median_s"]
+    assert varied["S6"]["fp8_bucket_mb"] == 2 and by_name["S6"]["fp8_bucket_mb"] == 1
+    for s in [*by_name.values(), *varied.values()]:
         assert s["bit_exact"] and s["transport"] == "nccl", s
     assert by_name["S6"]["equal_to_quantization"] and by_name["S6"]["error_over_fp8_bound"] <= 1
     # a tiny model's bf16 embeddings weigh much (llama-3-8b: FP8 bytes ~0.57 of bf16)

@@ -25,11 +25,17 @@ whose writers encode (not CUDA IPC's pulls): S6 and S7 run over NCCL, and their 
 time over S1's over NCCL in the same run (S1@nccl is run first when not asked for). S6 also
 reports the Triton FP8 quantize throughput (GB/s of bf16 input), and checks the reader's bytes
 against the quantization computed on the writer's GPU and the FP8 error bound.
+
+``--variant 'b512: --bucket-mb 512 WEIGHTBUS_AMAX_SMS=96'`` runs the scenarios again with
+other flags and environment variables, in the same run (S6 and S7 compared with the S1@nccl of
+their own variant); ``--rounds N`` alternates the settings and the variants N times.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import datetime as dt
 import json
@@ -37,6 +43,8 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -44,6 +52,7 @@ import sys
 import time
 import traceback
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 SCENARIOS = {
@@ -213,7 +222,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         extra = {} if args.direct_mb is None else {"direct_bytes": args.direct_mb << 20}
         control, sync = bench_configs(
             args,
-            f"bench-{args.scenario}-{args.scenario_transport or 'auto'}",
+            f"bench-{args.scenario}-{args.scenario_transport or 'auto'}-{args.run}",
             args.n_writers,
             args.n_readers,
             **extra,
@@ -523,7 +532,7 @@ def _plot(result: dict, path: Path) -> None:
         print("matplotlib not installed: no plot", flush=True)
         return
     sc = result["scenarios"]
-    names = [s["name"] for s in sc]
+    names = [_display(s) for s in sc]
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(names))
     ax.bar(
@@ -585,6 +594,234 @@ def add_sync_flags(p: argparse.ArgumentParser) -> None:
         choices=["in_place", "transactional", "auto"],
         help="SyncConfig.apply on the readers (default in_place)",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """Settings the scenarios run with: the command's (``label`` empty) or a ``--variant``'s."""
+
+    label: str
+    env: dict[str, str]
+    args: argparse.Namespace
+    text: str
+
+
+_ENV_TOKEN = re.compile(r"^[A-Z][A-Z0-9_]*=")
+_NOT_PER_VARIANT = ("scenarios", "model", "out", "kind", "variant", "rounds")
+
+
+def _parse_variant(p: argparse.ArgumentParser, a: argparse.Namespace, text: str) -> _Variant:
+    """``'LABEL: ARGS'`` -> a variant: ``NAME=VALUE`` words are environment variables (the
+    participants' processes start with them), the others this command's flags, over ``a``."""
+    label, sep, rest = text.partition(":")
+    label = label.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", label):
+        p.error(
+            f"--variant {text!r}: write 'LABEL: ARGS' with a label of letters, digits and "
+            "'_.+-', e.g. 'b512: --bucket-mb 512'"
+        )
+    words = shlex.split(rest)
+    env = dict(w.split("=", 1) for w in words if _ENV_TOKEN.match(w))
+    flags = [w for w in words if not _ENV_TOKEN.match(w)]
+    args, unknown = p.parse_known_args(flags, namespace=copy.copy(a))
+    if unknown:
+        p.error(f"--variant {label!r}: unknown arguments {unknown}")
+    fixed = [k for k in _NOT_PER_VARIANT if getattr(args, k) != getattr(a, k)]
+    if fixed:
+        p.error(
+            f"--variant {label!r}: {', '.join('--' + k for k in fixed)} apply to the whole run, "
+            "not to one variant"
+        )
+    if not env and not flags:
+        p.error(f"--variant {label!r}: no flags and no NAME=VALUE settings")
+    return _Variant(label, env, args, rest.strip())
+
+
+def _check_settings(p: argparse.ArgumentParser, var: _Variant) -> None:
+    """Refuse settings the codecs or the bench refuse, before any process starts."""
+    where = f"--variant {var.label!r}: " if var.label else ""
+    a = var.args
+    if not 0.0 <= a.changed <= 1.0:
+        p.error(f"{where}--changed {a.changed}: a fraction of the elements, in [0, 1]")
+    for flags, scenario in (
+        ("--fp8-block / --fp8-ahead / --fp8-bucket-mb", "S6"),
+        ("--window-mb / --windows-per-pass", "S7"),
+    ):
+        try:
+            _scenario_codecs(scenario, **_codec_flags(a))
+        except ValueError as exc:
+            p.error(f"{where}{flags}: {exc}")
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]):
+    """``env`` set in this process (the participants it starts inherit it), then restored."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _tree_differs(commit: str) -> bool | None:
+    """Whether the tracked files here differ from ``commit`` (None: git cannot tell, e.g. no
+    checkout, or the commit is unknown to it). A copy of a tree whose git metadata is older
+    than its files would otherwise be recorded as the older commit."""
+    try:
+        git = subprocess.run(
+            ["git", "diff", "--quiet", commit, "--"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: False, 1: True}.get(git.returncode)
+
+
+def _display(entry: dict) -> str:
+    """A results entry's name with its variant and round, for tables and plots."""
+    name = entry["name"]
+    if entry.get("variant"):
+        name += f" [{entry['variant']}]"
+    if entry.get("round"):
+        name += f" ({entry['round']})"
+    return name
+
+
+def _run_spec(
+    spec: str,
+    a: argparse.Namespace,
+    run: int,
+    *,
+    model,
+    port: int,
+    gbps: dict,
+    ceil: dict,
+    n_gpu: int,
+    medians: dict,
+    tag: str = "",
+) -> dict | None:
+    """Run scenario ``spec`` ("S6", "S1@nccl") with the settings ``a`` (the command's, or a
+    variant's) as the process's ``run``-th job; return its results entry (None: skipped).
+    ``medians`` holds the median of each scenario run before it with the same settings (S6
+    and S7 are compared with S1@nccl's); ``tag`` names the variant and round in the output."""
+    sname, _, s_transport = spec.partition("@")
+    if sname == "S5":  # host memory -> every GPU, beside checkpoint-engine: bench/s5.py
+        from weightbus.bench import s5
+
+        return s5.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
+    if sname == "S4e":  # S4 between real engines (FSDP2 -> transformers TP): engines.py
+        from weightbus.bench import engines
+
+        return engines.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
+    wdesc, rdesc, gpus, target, meaning = SCENARIOS[sname]
+    if gpus > n_gpu:
+        print(f"{spec}: needs {gpus} GPUs, this machine has {n_gpu}: skipped", flush=True)
+        return None
+    from weightbus.layouts.describe import build_layouts
+
+    n_w = len(build_layouts(model, wdesc, "writer"))
+    n_r = len(build_layouts(model, rdesc, "reader"))
+    args = argparse.Namespace(
+        **vars(a),
+        scenario=sname,
+        scenario_transport=s_transport or None,
+        port=port,
+        n_writers=n_w,
+        n_readers=n_r,
+        run=run,
+    )
+    print(f"{spec}{tag}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
+    targets = [(_participant_worker, ("writer", r, r, args)) for r in range(n_w)]
+    first_reader_gpu = 0 if sname in COLOCATED else n_w
+    targets += [
+        (_participant_worker, ("reader", r, first_reader_gpu + r, args)) for r in range(n_r)
+    ]
+    res = _run_group(targets, 1200)
+    w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
+    moved = res[("writer-0", 0)]["bytes"]
+    exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))
+    stats = _median(w_times)
+    got = moved / stats["median_s"] / 1e9
+    if sname == "S1":
+        ceiling = max(gbps["nccl_sendrecv"], gbps["ipc_pull"])
+        ratio = got / ceiling
+    elif sname == "S3":
+        ceiling = gbps["d2d_copy"]
+        ratio = got / ceiling
+    elif sname == "S2":
+        ceiling = gbps["nccl_broadcast"] * n_r  # bytes delivered per second by a broadcast
+        ratio = ceil["nccl_broadcast"] / stats["median_s"]
+    elif sname in CODECS:
+        # time relative to S1 over nccl (lower is better); GB/s are of bytes on the wire
+        sent = res[("writer-0", 0)]["sent"]
+        moved = int(statistics.median(sent)) if sent else moved
+        got = moved / stats["median_s"] / 1e9
+        ceiling = gbps["nccl_sendrecv"]
+        base = medians.get("S1@nccl")
+        ratio = stats["median_s"] / base if base else float("nan")
+    else:
+        ceiling = gbps["nccl_two_links"]
+        ratio = got / ceiling
+    entry = {
+        "name": sname if not s_transport else f"{sname}@{s_transport}",
+        "writers": wdesc,
+        "readers": rdesc,
+        "bytes": moved,
+        **{k: round(v, 5) for k, v in stats.items()},
+        "times_ms": [round(t * 1e3, 2) for t in w_times],
+        "gbps": round(got, 1),
+        "ceiling_gbps": round(ceiling, 1),
+        "ratio": round(ratio, 3),
+        "target": round(target, 3),
+        "ratio_means": meaning,
+        "bit_exact": exact,
+        "transport": res[("writer-0", 0)]["transport"],
+        "reader_median_s": [
+            round(statistics.median(res[(f"reader-{r}", r)]["times"]), 5) for r in range(n_r)
+        ],
+        "writer_phases_last": {k: round(v, 4) for k, v in res[("writer-0", 0)]["phases"].items()},
+        "reader_phases_last": {k: round(v, 4) for k, v in res[("reader-0", 0)]["phases"].items()},
+    }
+    medians[spec] = stats["median_s"]
+    if spec == "S1@nccl":
+        medians["S1@nccl bytes"] = moved
+    if sname in CODECS:
+        s1_bytes = medians.get("S1@nccl bytes")
+        entry["s1_nccl_median_s"] = round(medians.get("S1@nccl", float("nan")), 5)
+        entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
+    if sname == "S6":
+        entry["fp8_tensors_wire_fraction"] = round(_fp8_fraction(model, a.fp8_block), 4)
+        fp8 = _scenario_codecs("S6", **_codec_flags(a))["fp8"]
+        entry["fp8_ahead"] = fp8.ahead
+        entry["fp8_bucket_mb"] = max(fp8.bucket_bytes, a.bucket_mb << 20) >> 20
+        r0 = res[("reader-0", 0)]
+        entry["equal_to_quantization"] = r0["equal_to_quantization"]
+        entry["error_over_fp8_bound"] = r0["error_over_bound"]
+        entry["quantize_gbps"] = round(_quantize_gbps(a.iters), 1)
+    if sname == "S7":
+        entry["changed_fraction"] = a.changed
+        delta = _scenario_codecs("S7", **_codec_flags(a))["delta"]
+        entry["window_mb"] = delta.window_bytes >> 20
+        entry["windows_per_pass"] = delta.windows_per_pass
+        entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
+    print(
+        f"  {sname}{tag}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
+        f"[{stats['min_s'] * 1e3:.1f}, {stats['max_s'] * 1e3:.1f}] -> {got:.1f} GB/s, ratio {ratio:.3f} "
+        f"(target {target:.3f}), bit exact {exact}",
+        flush=True,
+    )
+    if sname == "S6" and entry.get("wire_fraction_of_s1"):
+        print(
+            f"  S6: on the wire, the FP8 tensors take {entry['fp8_tensors_wire_fraction']:.2%} "
+            f"of their bf16 bytes, the whole model {entry['wire_fraction_of_s1']:.2%} (the "
+            "ignore list's tensors stay bf16)",
+            flush=True,
+        )
+    return entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -652,18 +889,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kind", default=None, help="machine kind for the file name (default: from the GPUs)"
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'LABEL: ARGS'",
+        help="run the scenarios again with these flags and environment variables, e.g. "
+        "'b512: --bucket-mb 512' or 'amax48: WEIGHTBUS_AMAX_SMS=48 --fp8-ahead 8' (repeatable; "
+        "S6 and S7 compare with the S1@nccl of their own variant)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the settings and every variant this many times, alternating (default 1)",
+    )
     a = p.parse_args(argv)
-    if not 0.0 <= a.changed <= 1.0:
-        p.error(f"--changed {a.changed}: a fraction of the elements, in [0, 1]")
-    # the codecs' own checks, before any process starts
-    for flags, scenario in (
-        ("--fp8-block / --fp8-ahead / --fp8-bucket-mb", "S6"),
-        ("--window-mb / --windows-per-pass", "S7"),
-    ):
-        try:
-            _scenario_codecs(scenario, **_codec_flags(a))
-        except ValueError as exc:
-            p.error(f"{flags}: {exc}")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: at least 1")
+    variants = [_Variant("", {}, a, "")] + [_parse_variant(p, a, v) for v in a.variant]
+    if len({v.label for v in variants}) != len(variants):
+        p.error(f"--variant labels must differ: {[v.label for v in variants[1:]]}")
+    for var in variants:
+        _check_settings(p, var)
+    specs = [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    unknown = [s for s in specs if s.partition("@")[0] not in {*SCENARIOS, "S5", "S4e"}]
+    if unknown:
+        p.error(f"--scenarios: unknown {unknown}; known: {', '.join([*SCENARIOS, 'S5', 'S4e'])}")
+    coded = [i for i, s in enumerate(specs) if s.partition("@")[0] in CODECS]
+    if coded and "S1@nccl" not in specs[: coded[0]]:
+        specs.insert(coded[0], "S1@nccl")  # the baseline S6 and S7 are compared with
     import torch
 
     from weightbus.layouts.families import model_spec
@@ -703,138 +958,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<24} {v:8.1f}", flush=True)
 
     scenarios = []
-    specs = [s.strip() for s in a.scenarios.split(",") if s.strip()]
-    coded = [i for i, s in enumerate(specs) if s.partition("@")[0] in CODECS]
-    if coded and "S1@nccl" not in specs[: coded[0]]:
-        specs.insert(coded[0], "S1@nccl")  # the baseline S6 and S7 are compared with
-    medians: dict[str, float] = {}  # scenario spec -> median sync seconds, for S6 / S7
-    s1_bytes = None
-    for spec in specs:
-        sname, _, s_transport = spec.partition("@")
-        if sname == "S5":  # host memory -> every GPU, beside checkpoint-engine: bench/s5.py
-            from weightbus.bench import s5
-
-            entry = s5.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
-            scenarios.extend([entry] if entry else [])
-            continue
-        if sname == "S4e":  # S4 between real engines (FSDP2 -> transformers TP): engines.py
-            from weightbus.bench import engines
-
-            entry = engines.run(a, port=port, gbps=gbps, n_gpu=n_gpu)
-            scenarios.extend([entry] if entry else [])
-            continue
-        if sname not in SCENARIOS:
-            print(f"unknown scenario {sname!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
-            return 2
-        wdesc, rdesc, gpus, target, meaning = SCENARIOS[sname]
-        if gpus > n_gpu:
-            print(f"{spec}: needs {gpus} GPUs, this machine has {n_gpu}: skipped", flush=True)
-            continue
-        from weightbus.layouts.describe import build_layouts
-
-        n_w = len(build_layouts(model, wdesc, "writer"))
-        n_r = len(build_layouts(model, rdesc, "reader"))
-        args = argparse.Namespace(
-            **vars(a),
-            scenario=sname,
-            scenario_transport=s_transport or None,
-            port=port,
-            n_writers=n_w,
-            n_readers=n_r,
-        )
-        print(f"{spec}: {n_w} writer(s) [{wdesc}] -> {n_r} reader(s) [{rdesc}] ...", flush=True)
-        targets = [(_participant_worker, ("writer", r, r, args)) for r in range(n_w)]
-        first_reader_gpu = 0 if sname in COLOCATED else n_w
-        targets += [
-            (_participant_worker, ("reader", r, first_reader_gpu + r, args)) for r in range(n_r)
-        ]
-        res = _run_group(targets, 1200)
-        w_times = [
-            max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)
-        ]
-        moved = res[("writer-0", 0)]["bytes"]
-        exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))
-        stats = _median(w_times)
-        got = moved / stats["median_s"] / 1e9
-        if sname == "S1":
-            ceiling = max(gbps["nccl_sendrecv"], gbps["ipc_pull"])
-            ratio = got / ceiling
-        elif sname == "S3":
-            ceiling = gbps["d2d_copy"]
-            ratio = got / ceiling
-        elif sname == "S2":
-            ceiling = gbps["nccl_broadcast"] * n_r  # bytes delivered per second by a broadcast
-            ratio = ceil["nccl_broadcast"] / stats["median_s"]
-        elif sname in CODECS:
-            # time relative to S1 over nccl (lower is better); GB/s are of bytes on the wire
-            sent = res[("writer-0", 0)]["sent"]
-            moved = int(statistics.median(sent)) if sent else moved
-            got = moved / stats["median_s"] / 1e9
-            ceiling = gbps["nccl_sendrecv"]
-            base = medians.get("S1@nccl")
-            ratio = stats["median_s"] / base if base else float("nan")
-        else:
-            ceiling = gbps["nccl_two_links"]
-            ratio = got / ceiling
-        entry = {
-            "name": sname if not s_transport else f"{sname}@{s_transport}",
-            "writers": wdesc,
-            "readers": rdesc,
-            "bytes": moved,
-            **{k: round(v, 5) for k, v in stats.items()},
-            "times_ms": [round(t * 1e3, 2) for t in w_times],
-            "gbps": round(got, 1),
-            "ceiling_gbps": round(ceiling, 1),
-            "ratio": round(ratio, 3),
-            "target": round(target, 3),
-            "ratio_means": meaning,
-            "bit_exact": exact,
-            "transport": res[("writer-0", 0)]["transport"],
-            "reader_median_s": [
-                round(statistics.median(res[(f"reader-{r}", r)]["times"]), 5) for r in range(n_r)
-            ],
-            "writer_phases_last": {
-                k: round(v, 4) for k, v in res[("writer-0", 0)]["phases"].items()
-            },
-            "reader_phases_last": {
-                k: round(v, 4) for k, v in res[("reader-0", 0)]["phases"].items()
-            },
-        }
-        medians[spec] = stats["median_s"]
-        if spec == "S1@nccl":
-            s1_bytes = moved
-        if sname in CODECS:
-            entry["s1_nccl_median_s"] = round(medians.get("S1@nccl", float("nan")), 5)
-            entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
-        if sname == "S6":
-            entry["fp8_tensors_wire_fraction"] = round(_fp8_fraction(model, a.fp8_block), 4)
-            fp8 = _scenario_codecs("S6", **_codec_flags(a))["fp8"]
-            entry["fp8_ahead"] = fp8.ahead
-            entry["fp8_bucket_mb"] = max(fp8.bucket_bytes, a.bucket_mb << 20) >> 20
-            r0 = res[("reader-0", 0)]
-            entry["equal_to_quantization"] = r0["equal_to_quantization"]
-            entry["error_over_fp8_bound"] = r0["error_over_bound"]
-            entry["quantize_gbps"] = round(_quantize_gbps(a.iters), 1)
-        if sname == "S7":
-            entry["changed_fraction"] = a.changed
-            delta = _scenario_codecs("S7", **_codec_flags(a))["delta"]
-            entry["window_mb"] = delta.window_bytes >> 20
-            entry["windows_per_pass"] = delta.windows_per_pass
-            entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
-        scenarios.append(entry)
-        print(
-            f"  {sname}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
-            f"[{stats['min_s'] * 1e3:.1f}, {stats['max_s'] * 1e3:.1f}] -> {got:.1f} GB/s, ratio {ratio:.3f} "
-            f"(target {target:.3f}), bit exact {exact}",
-            flush=True,
-        )
-        if sname == "S6" and entry.get("wire_fraction_of_s1"):
-            print(
-                f"  S6: on the wire, the FP8 tensors take {entry['fp8_tensors_wire_fraction']:.2%} "
-                f"of their bf16 bytes, the whole model {entry['wire_fraction_of_s1']:.2%} (the "
-                "ignore list's tensors stay bf16)",
-                flush=True,
+    runs = 0
+    for rnd in range(a.rounds):
+        for var in variants:
+            tag = "".join(
+                (
+                    f" [{var.label}]" if var.label else "",
+                    f" (round {rnd + 1})" if a.rounds > 1 else "",
+                )
             )
+            medians: dict[str, float] = {}  # per variant and round: S6 / S7 compare with S1@nccl
+            with _environment(var.env):
+                for spec in specs:
+                    entry = _run_spec(
+                        spec,
+                        var.args,
+                        runs,
+                        model=model,
+                        port=port,
+                        gbps=gbps,
+                        ceil=ceil,
+                        n_gpu=n_gpu,
+                        medians=medians,
+                        tag=tag,
+                    )
+                    runs += 1
+                    if entry is None:
+                        continue
+                    if var.label:
+                        entry["variant"], entry["variant_args"] = var.label, var.text
+                    if a.rounds > 1:
+                        entry["round"] = rnd + 1
+                    scenarios.append(entry)
     del server
     # the commit measured: $WEIGHTBUS_COMMIT when set (a copy of the tree may sit inside an
     # unrelated or stale checkout), else git's answer
@@ -846,12 +1001,20 @@ def main(argv: list[str] | None = None) -> int:
                 commit = git.stdout.strip()
         except OSError:
             pass
+    differs = _tree_differs(commit) if commit else None
+    if differs:
+        print(
+            f"weightbus bench gpu: the tracked files differ from commit {commit[:12]}: the "
+            "results say so (tree_differs_from_commit); commit first, or set WEIGHTBUS_COMMIT",
+            flush=True,
+        )
     date = dt.date.today().isoformat()
     kind = a.kind or f"{n_gpu}x{name.split()[-1].lower()}"
     result = {
         "date": date,
         "machine": f"{n_gpu}x {name}",
         "commit": commit,
+        "tree_differs_from_commit": differs,
         "model": a.model,
         "bucket_mb": a.bucket_mb,
         "staging_buffers": a.staging,
@@ -869,10 +1032,14 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, path.with_suffix(".png"))
     print(f"results: {path}", flush=True)
-    print(f"{'name':<4} {'GB/s':>8} {'ceiling':>8} {'ratio':>7} {'target':>7} bit-exact")
+    width = max([4, *(len(_display(s)) for s in scenarios)])
+    print(
+        f"{'name':<{width}} {'ms':>7} {'GB/s':>8} {'ceiling':>8} {'ratio':>7} {'target':>7} bit-exact"
+    )
     for s in scenarios:
         print(
-            f"{s['name']:<4} {s['gbps']:>8.1f} {s['ceiling_gbps']:>8.1f} {s['ratio']:>7.3f} {s['target']:>7.3f} {s['bit_exact']}"
+            f"{_display(s):<{width}} {s['median_s'] * 1e3:>7.2f} {s['gbps']:>8.1f} "
+            f"{s['ceiling_gbps']:>8.1f} {s['ratio']:>7.3f} {s['target']:>7.3f} {s['bit_exact']}"
         )
     return 0
 
