@@ -826,6 +826,38 @@ def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):
         _select_transport("auto", plan, me, fp8)
 
 
+def test_staging_that_does_not_fit_names_its_size_and_the_fix(monkeypatch):
+    """Staging buffers that do not fit raise, at connect, an error naming the participant,
+    the buffers' count and size and the settings that make them smaller (FP8's own bucket
+    size among them where FP8 is on)."""
+    from weightbus import WeightbusError
+    from weightbus import _session as session
+    from weightbus.codecs import Fp8Config
+    from weightbus.plan.codec_plan import CodecConfig
+
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        if args and args[0] > 1 << 20:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session.torch, "empty", empty)
+    cpu = torch.device("cpu")
+    assert [b.numel() for b in session._staging_buffers("w", 2, 1024, cpu, CodecConfig())] == [
+        1024,
+        1024,
+    ]
+    with pytest.raises(WeightbusError) as err:
+        session._staging_buffers("writer-0", 6, 512 << 20, cpu, CodecConfig(fp8=Fp8Config()))
+    msg = str(err.value)
+    assert "writer-0: 6 staging buffers of 512.0 MiB (3.00 GiB) do not fit" in msg
+    assert "SyncConfig.staging_buffers or bucket_bytes, Fp8Config.bucket_bytes" in msg
+    assert "at least 512 MiB" in msg and isinstance(err.value.__cause__, torch.OutOfMemoryError)
+    with pytest.raises(WeightbusError, match=r"bucket_bytes, on every participant"):
+        session._staging_buffers("reader-0", 2, 64 << 20, cpu, CodecConfig())
+
+
 def test_fp8_reader_must_bind_fp8_tensors():
     from weightbus import ControlConfig, LayoutError, Reader, SyncConfig
     from weightbus.codecs import Fp8Config

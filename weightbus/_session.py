@@ -357,7 +357,7 @@ class _Session:
                 )
                 n = want
         largest = max(staged, default=0)
-        self._staging = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(n)]
+        self._staging = _staging_buffers(self.name, n, largest, device, codecs)
         # deltas: each group's directories (the first of its two messages) have a place of
         # their own, so that they may travel before the previous group's buckets have left
         # a staging buffer
@@ -931,6 +931,30 @@ def _select_transport(
         )
     choice.log(job)
     return build_transport(choice, **config)
+
+
+def _staging_buffers(
+    name: str, n: int, nbytes: int, device: torch.device, codecs: CodecConfig
+) -> list[torch.Tensor]:
+    """``n`` staging buffers of ``nbytes`` on ``device``; where they do not fit, an error that
+    says how much was asked, what is free and what makes them smaller."""
+    try:
+        return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(n)]
+    except torch.OutOfMemoryError as exc:
+        free = ""
+        if device.type == "cuda":
+            free = f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.2f} GiB free on {device})"
+        fp8 = (
+            ", Fp8Config.bucket_bytes (0: SyncConfig.bucket_bytes; FP8 buckets are at least "
+            f"{codecs.fp8.bucket_bytes >> 20} MiB) or Fp8Config.ahead"
+            if codecs.fp8 is not None
+            else ""
+        )
+        raise WeightbusError(
+            f"{name}: {n} staging buffers of {nbytes / 2**20:.1f} MiB "
+            f"({n * nbytes / 2**30:.2f} GiB) do not fit{free}: lower "
+            f"SyncConfig.staging_buffers or bucket_bytes{fp8}, on every participant"
+        ) from exc
 
 
 def _numbered(readers: list[Layout]) -> list[Layout]:
