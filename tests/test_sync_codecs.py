@@ -792,6 +792,101 @@ def test_fp8_buckets_sent_ahead_of_the_check_wait_for_it(n_writers, caplog):
         assert torch.equal(held["after"][k].view(torch.uint8), before.view(torch.uint8)), k
 
 
+@pytest.mark.timeout(90)
+def test_a_transactional_fp8_reader_takes_the_buckets_sent_ahead_in_place():
+    """A transactional reader receives into its own copy of the engine's tensors, which the
+    engine never reads before a commit: the buckets sent ahead of the writer's check land
+    there at once (in place, their regions being contiguous), it takes no staging buffers to
+    hold them (2 here, as configured, not 4 + 2), and it reads the writer's word before it
+    acknowledges. A first sync lands bit exact; a NaN in the second fails it on both sides
+    and the engine's tensors still hold the first version bit for bit."""
+    from weightbus import PeerFailure, Reader, WeightbusError, Writer
+    from weightbus.codecs import Fp8Config
+    from weightbus.codecs.fp8 import quantize_blocks
+    from weightbus.plan.codec_plan import checked_tag
+    from weightbus.plan.program import direct_view
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    fp8 = Fp8Config(bucket_bytes=0, block=16)
+    errors: dict[str, BaseException] = {}
+    facts: dict[str, object] = {}
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    logs: dict[str, list] = {}
+
+    def writer():
+        try:
+            control, sync = _configs(store.port, "ahead-tx", 1, 1, fp8=fp8)
+            bound = _ahead_layout("writer", 0, 1)
+            side = Writer(bound, control, sync)
+            side.connect()
+            logs["writer"] = _record_tags(side.transport, "send")
+            facts["buckets"] = len(side.plan.buckets)
+            try:
+                for version in (1, 2):
+                    for k, v in _ahead_values(version).items():
+                        bound.tensors[k].copy_(v)
+                    if version == 2:
+                        bound.tensors["a.weight"][37, 50] = float("nan")
+                    side.sync(version)
+            finally:
+                side.close()
+        except BaseException as exc:
+            errors["writer"] = exc
+
+    def reader():
+        try:
+            control, sync = _configs(store.port, "ahead-tx", 1, 1, fp8=fp8, apply="transactional")
+            bound = _ahead_layout("reader", 0, 1, fp8)
+            side = Reader(bound, control, sync)
+            side.connect()
+            ahead = [i for i, op in enumerate(side.ops) if op.bucket in side.ahead]
+            facts["reader"] = (side.apply, len(ahead), len(side._staging))
+            # in place wherever a bucket is contiguous in the copy (one here holds pieces of
+            # two tensors, so it is staged, and applied without waiting for the word)
+            facts["in place"] = [side.direct[i] is not None for i in ahead]
+            facts["contiguous"] = [
+                direct_view(side.ops[i], side.bound.tensors) is not None for i in ahead
+            ]
+            logs["reader"] = _record_tags(side.transport, "recv")
+            try:
+                side.wait()
+                held["v1"] = {k: t.clone() for k, t in side.live.items()}
+                side.wait()
+            finally:
+                held["after"] = side.live
+                facts["dirty"] = side.dirty
+                side.close()
+        except BaseException as exc:
+            errors["reader"] = exc
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=80)
+    assert not any(t.is_alive() for t in threads), errors
+    assert facts["reader"] == ("transactional", 4, 2), facts
+    assert facts["in place"] == facts["contiguous"] and sum(facts["in place"]) == 3, facts
+    v1 = _ahead_values(1)
+    for k in ("embed.weight", "lm_head.weight"):
+        assert torch.equal(held["v1"][k].view(torch.int16), v1[k].view(torch.int16)), k
+    q, s = quantize_blocks(v1["a.weight"], fp8, impl="torch")
+    assert torch.equal(held["v1"]["a.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(held["v1"]["a.weight_scale_inv"], s)
+    # the reader posted what the writer sent, in its order: the buckets ahead, the word, ...
+    word = checked_tag(facts["buckets"])
+    sent, got = [t for _, t in logs["writer"]], [t for _, t in logs["reader"]]
+    assert word in sent and got[: len(sent)] == sent[: len(got)], (sent, got)
+    # sync 2: the writer's check failed after its buckets ahead went out (into the reader's
+    # copy); the engine's tensors are untouched
+    assert "a.weight holds NaN" in str(errors.get("writer")), errors
+    assert isinstance(errors.get("reader"), PeerFailure | WeightbusError), errors
+    assert "NaN" in str(errors["reader"]), errors
+    assert facts["dirty"] is False, facts
+    for k, before in held["v1"].items():
+        assert torch.equal(held["after"][k].view(torch.uint8), before.view(torch.uint8)), k
+
+
 def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):
     from weightbus._session import _select_transport
     from weightbus.codecs import DeltaConfig, Fp8Config

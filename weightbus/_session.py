@@ -296,11 +296,12 @@ class _Session:
             self.direct = [self.codec.direct(op) for op in self.ops]
         else:
             self.direct = [direct_view(op, self.bound.tensors) for op in self.ops]
-        # FP8: buckets sent before the writers' check for non-finite weights; readers hold
-        # them in staging (never in place) until their writer's word that they were finite
+        # FP8: buckets sent before the writers' check for non-finite weights; readers that
+        # receive into the engine's tensors hold them in staging (never in place) until their
+        # writer's word that they were finite
         ahead = sent_ahead(plan, codecs)
         self.ahead = frozenset(op.bucket for op in self.ops if op.bucket in ahead)
-        if self.role == "reader" and self.ahead:
+        if self.role == "reader" and self.ahead and self._holds_ahead():
             self.direct = [
                 None if op.bucket in self.ahead else d
                 for op, d in zip(self.ops, self.direct, strict=True)
@@ -338,7 +339,7 @@ class _Session:
             staged = groups
             peers = len({op.peer for op in self.ops})
             n = min(self.config.staging_buffers, max(2, peers), len(staged))
-        if self.role == "reader" and self.ahead:
+        if self.role == "reader" and self.ahead and self._holds_ahead():
             # FP8: a reader holds every bucket sent ahead of the writers' check at once, and
             # has AHEAD_SPARE buffers more to post the next receives into while it waits for
             # the word (with none, a profile of S6 had the link idle 0.7 ms after the word).
@@ -534,6 +535,11 @@ class _Session:
         self.control.exclude(refused)
         for name, err in refused.items():
             logger.warning("%s: reader %r refused joining the job: %s", self.name, name, err)
+
+    def _holds_ahead(self) -> bool:
+        """FP8: whether this reader holds the buckets sent ahead of the writers' check in
+        staging until their word (see :class:`~weightbus.Reader`)."""
+        return True
 
     def _make_codec(self, plan: TransferPlan, codecs: CodecConfig):
         """This side's codec state for ``plan``, or None when this side needs none."""

@@ -110,6 +110,15 @@ class Reader(_Session):
         self._live_ptrs_at_connect: dict[str, int] = {}
         self._commit_keys: list[str] = []
 
+    def _holds_ahead(self) -> bool:
+        """FP8: a reader that receives into the engine's tensors (in place) holds the buckets
+        sent ahead of the writers' check in staging until each writer's word that its weights
+        were finite, so that a failed check leaves those tensors as they were. A transactional
+        reader receives into its own copy, which the engine never reads before a commit: those
+        buckets land there at once (in place where their regions are contiguous), it takes no
+        staging buffers to hold them, and it waits for the words before it acknowledges."""
+        return self.apply != "transactional"
+
     def connect(self):
         """Connect (see :meth:`_Session.connect`): with ``apply`` transactional, first copy the
         engine's tensors, which syncs then write; afterwards agree on ``SyncConfig.verify``
@@ -284,6 +293,8 @@ class Reader(_Session):
             while staged:
                 self._unpack_oldest(staged, tensors, phases, deadline, words, version)
             t = time.perf_counter()
+            for peer in list(words):  # (transactional) each word before the buckets after it
+                self._await_word(peer, words, version, deadline)
             transport.wait(direct, deadline.left())
             phases["transfer"] += time.perf_counter() - t
             if verifier is not None:
@@ -377,11 +388,15 @@ class Reader(_Session):
     ):
         """Wait for the oldest staged receive, unpack it; return its staging buffer. A bucket
         sent ahead of its writer's check for non-finite weights waits for the word that they
-        were finite (the receives in ``words``, per writer, of the sync of ``version``)."""
+        were finite (the receives in ``words``, per writer, of the sync of ``version``) where
+        this reader holds them (:meth:`_holds_ahead`); otherwise the first bucket after the
+        word reads it."""
         handle, op, buf = staged.popleft()
         t = time.perf_counter()
         self.transport.wait([handle], deadline.left())
-        if op.bucket in self.ahead:
+        if self._holds_ahead() if op.bucket in self.ahead else op.peer in words:
+            # (transactional: a writer's word travels before its buckets not sent ahead, so
+            # it is there by now; waiting for it at a bucket sent ahead could stall the link)
             self._await_word(op.peer, words, version, deadline)
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()

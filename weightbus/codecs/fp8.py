@@ -123,11 +123,13 @@ class Fp8Config:
     ahead: int = 4
     """Buckets to each reader that hold only tensors staying in their own dtype (embeddings,
     the output head) and travel while the writers' amax pass runs, before its check for
-    non-finite weights: the reader holds them in staging buffers and copies them into its
-    tensors only once the writer says its weights were finite (a failed sync leaves its
-    tensors as they were). A reader then has at least that many staging buffers and two more
-    (to receive the next buckets into meanwhile), whatever ``SyncConfig.staging_buffers``
-    says; 0 sends nothing before the check."""
+    non-finite weights. A reader that receives in place holds them in staging buffers and
+    copies them into its tensors only once the writer says its weights were finite (a failed
+    sync leaves its tensors as they were): it has at least that many staging buffers and two
+    more (to receive the next buckets into meanwhile), whatever
+    ``SyncConfig.staging_buffers`` says. A transactional reader receives them into its copy
+    at once (the engine's tensors change only at a commit). 0 sends nothing before the
+    check."""
     bucket_bytes: int = 512 * 1024 * 1024
     """Smallest bucket of an FP8 job without deltas (``SyncConfig.bucket_bytes`` where that
     is larger); 0 keeps ``SyncConfig.bucket_bytes``. Every FP8 bucket is quantized into a
@@ -135,8 +137,9 @@ class Fp8Config:
     a fixed share, so fewer larger buckets are faster. S6 (Llama-3-8B, 1 -> 1 over NCCL),
     buckets of 64, 256, 512 and 1024 MiB: 60.0, 32.0, 29.1-29.8 and 31.1 ms on 2 x H100;
     29.4 (256) and 27.7-27.9 ms (512) on 2 x H200. The price is staging memory: a writer's
-    ``SyncConfig.staging_buffers`` and a reader's ``ahead`` + 2 buffers of this size (2 and
-    3 GiB with the defaults). Across hosts it is unmeasured; the cluster simulator's network
+    ``SyncConfig.staging_buffers`` buffers of this size, and an in-place reader's ``ahead`` + 2
+    where that is more (2 GiB on a writer and a transactional reader, 3 GiB on an in-place
+    reader, with the defaults). Across hosts it is unmeasured; the cluster simulator's network
     schedule, cut at the bucket size, packs Kimi-K2's plan less evenly with it (README)."""
 
     def __post_init__(self) -> None:
