@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tests.procs import collect_reports
+from tests.threads import run_threads
 
 STEPS = 22
 DENSE_AT = 9  # reader-1 loses its weights before this sync and asks for every byte
@@ -859,12 +860,7 @@ def test_a_transactional_fp8_reader_takes_the_buckets_sent_ahead_in_place():
         except BaseException as exc:
             errors["reader"] = exc
 
-    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=80)
-    assert not any(t.is_alive() for t in threads), errors
+    run_threads({"writer": writer, "reader": reader}, limit=80)  # (they keep their errors)
     assert facts["reader"] == ("transactional", 4, 2), facts
     assert facts["in place"] == facts["contiguous"] and sum(facts["in place"]) == 3, facts
     v1 = _ahead_values(1)
