@@ -158,7 +158,9 @@ def test_bench_gpu_variants_are_parsed_and_checked_before_starting():
         256,
     )
     assert base.fp8_ahead is None  # the command's own settings are untouched
-    with gpu._environment({"WEIGHTBUS_TEST_VARIANT": "1"}):
+    from weightbus.engines.torch_dist import environment
+
+    with environment({"WEIGHTBUS_TEST_VARIANT": "1"}):
         assert os.environ["WEIGHTBUS_TEST_VARIANT"] == "1"
     assert "WEIGHTBUS_TEST_VARIANT" not in os.environ
     entry = {"name": "S6", "variant": "a8", "round": 2}

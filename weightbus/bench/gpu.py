@@ -52,7 +52,6 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Mapping
 from pathlib import Path
 
 SCENARIOS = {
@@ -307,7 +306,6 @@ def profiled(name: str, i: int, warmup: int):
     no-op; with ``$WEIGHTBUS_PROFILE_TRACE`` set also ``<name>.trace.json``, the timeline, and
     with ``$WEIGHTBUS_PROFILE_STACK`` set the Python calls in it too (slower: every call is
     recorded). For finding where a scenario's time goes, not for its figures."""
-    import contextlib
 
     where = os.environ.get("WEIGHTBUS_PROFILE_DIR")
     if not where or i != warmup:
@@ -653,21 +651,6 @@ def _check_settings(p: argparse.ArgumentParser, var: _Variant) -> None:
             p.error(f"{where}{flags}: {exc}")
 
 
-@contextlib.contextmanager
-def _environment(env: Mapping[str, str]):
-    """``env`` set in this process (the participants it starts inherit it), then restored."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _tree_differs(commit: str) -> bool | None:
     """Whether the tracked files here differ from ``commit`` (None: git cannot tell, e.g. no
     checkout, or the commit is unknown to it). A copy of a tree whose git metadata is older
@@ -795,9 +778,14 @@ def _run_spec(
         entry["wire_fraction_of_s1"] = round(moved / s1_bytes, 4) if s1_bytes else None
     if sname == "S6":
         entry["fp8_tensors_wire_fraction"] = round(_fp8_fraction(model, a.fp8_block), 4)
-        fp8 = _scenario_codecs("S6", **_codec_flags(a))["fp8"]
-        entry["fp8_ahead"] = fp8.ahead
-        entry["fp8_bucket_mb"] = max(fp8.bucket_bytes, a.bucket_mb << 20) >> 20
+        from weightbus.plan import PlanOptions
+        from weightbus.plan.codec_plan import CodecConfig
+
+        codecs = CodecConfig(**_scenario_codecs("S6", **_codec_flags(a)))
+        assert codecs.fp8 is not None
+        entry["fp8_ahead"] = codecs.fp8.ahead
+        planned = codecs.plan_options(PlanOptions(bucket_bytes=a.bucket_mb << 20))
+        entry["fp8_bucket_mb"] = planned.bucket_bytes >> 20  # as the job planned it
         r0 = res[("reader-0", 0)]
         entry["equal_to_quantization"] = r0["equal_to_quantization"]
         entry["error_over_fp8_bound"] = r0["error_over_bound"]
@@ -957,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in ceilings.items():
         print(f"  {k:<24} {v:8.1f}", flush=True)
 
+    from weightbus.engines.torch_dist import environment
+
     scenarios = []
     runs = 0
     for rnd in range(a.rounds):
@@ -968,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             medians: dict[str, float] = {}  # per variant and round: S6 / S7 compare with S1@nccl
-            with _environment(var.env):
+            with environment(var.env):
                 for spec in specs:
                     entry = _run_spec(
                         spec,

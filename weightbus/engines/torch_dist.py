@@ -226,17 +226,19 @@ def fully_shard_model(model: nn.Module, mesh, blocks: tuple[str, ...] | None = N
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
+def environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` set in this process's environment (processes it starts inherit it), and what
+    was there before restored afterwards."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if value is not None and old is None:
-            os.environ.pop(name, None)
-        elif value is not None:
-            os.environ[name] = old
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def load_tensor_parallel(path, *, dtype: torch.dtype, device=None, model_class=None, **kwargs):
@@ -287,7 +289,7 @@ def load_tensor_parallel(path, *, dtype: torch.dtype, device=None, model_class=N
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=world)
     else:  # older transformers: tensor parallel over the whole default group
         kwargs["tp_plan"] = "auto"
-    with _env("LOCAL_RANK", local_rank):
+    with environment({} if local_rank is None else {"LOCAL_RANK": local_rank}):
         model = model_class.from_pretrained(path, dtype=dtype, **kwargs)
     model.eval()
     shards = [p for p in model.parameters() if isinstance(p, DTensor)]

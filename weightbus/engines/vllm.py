@@ -558,9 +558,7 @@ def _refresh_mla(holder: Any) -> None:
 def _fp8_fields(fp8: Fp8Config) -> dict[str, Any]:
     """Every field of ``fp8`` as JSON values (the ignore list as a list): what a reader needs
     to build an equal Fp8Config (the codecs' key covers all of them)."""
-    out = {f.name: getattr(fp8, f.name) for f in fields(fp8)}
-    out["ignore"] = list(fp8.ignore)
-    return out
+    return {**asdict(fp8), "ignore": list(fp8.ignore)}
 
 
 @dataclass
