@@ -1254,6 +1254,90 @@ def test_interp_aligned_routes_take_the_aligned_compare():
     aligned_routes_case("cpu")
 
 
+def test_a_window_sent_dense_copies_its_routes_into_the_shadow():
+    """``_byte_runs``: contiguous routes become byte runs (merged where they follow each other
+    in the shadow and in one storage), strided ones stay regions, and the copies leave the
+    shadow holding every route's bytes at its offset; a computed route: no copies."""
+    from weightbus.codecs.delta import _byte_runs, _copy_runs
+
+    a = torch.randn(100).to(torch.bfloat16)
+    b = torch.randn(6, 10)
+    routes = [
+        (a[:40], (40,), 2, 40, 0, 0),
+        (a[40:], (60,), 2, 60, 0, 80),  # follows the first on both sides
+        (b[:, 2:7], (6, 5), 4, 30, 0, 208),
+        (b[1], (10,), 4, 10, 0, 336),
+        (b[2], (10,), 4, 10, 0, 384),  # follows in the storage, not in the shadow
+    ]
+    runs = _byte_runs(routes)
+    assert [(at, src.is_contiguous(), src.numel() * src.element_size()) for at, src in runs] == [
+        (0, True, 200), (208, False, 120), (336, True, 40), (384, True, 40)
+    ]  # fmt: skip
+    work = torch.full((432,), 0xFF, dtype=torch.uint8)
+    _copy_runs(work, runs)
+    for new, shape, width, numel, _, at in routes:
+        got = work[at : at + width * numel].view(new.dtype).view(shape)
+        assert torch.equal(got.view(torch.uint8), new.contiguous().view(torch.uint8))
+    assert _byte_runs([*routes, (None, (4,), 2, 4, 0, 424)]) is None
+
+
+@interpreted
+def test_interp_a_sample_compares_every_sampleth_tile_of_each_route(monkeypatch):
+    """``WindowTable.sample`` (the tally of a window sent dense on a guess) compares tiles 0,
+    SAMPLE, 2 SAMPLE, ... of every route, in each addressing mode: with every element changed
+    its counts are the elements of those tiles (a row's or route's last tile holds fewer; a
+    route of one tile is compared whole), those tiles' new values and no others are then in
+    the shadow, and a second sample counts nothing."""
+    from weightbus.codecs import _delta_triton as k
+
+    monkeypatch.setattr(k, "SAMPLE", 4)
+    block = 128
+    g = torch.Generator().manual_seed(0)
+    regions = {
+        k.ALIGNED: torch.randn(1024, generator=g).to(torch.bfloat16),
+        k.CONTIG: torch.randn(1000, generator=g).to(torch.bfloat16),
+        k.ROWS: torch.randn(40, 300, generator=g)[:, 20:290],  # float32, 3 tiles a row
+        k.FLAT: torch.randn(30, 40, generator=g).to(torch.bfloat16)[:, :10],
+        -1: torch.randn(50, generator=g).to(torch.bfloat16),  # one tile
+    }
+    ints = {2: torch.int16, 4: torch.int32}
+    routes, at = [], 0
+    for v in regions.values():
+        routes.append((v, tuple(v.shape), v.element_size(), v.numel(), 0, at))
+        at += -(-v.numel() * v.element_size() // 16) * 16
+    work = torch.zeros(at, dtype=torch.uint8)
+
+    def shadow(r):
+        v, _, isz, n, _, o = r
+        return work[o : o + n * isz].view(ints[isz])
+
+    def bits(v):
+        return v.contiguous().view(-1).view(ints[v.element_size()])
+
+    for r in routes:
+        shadow(r).copy_(~bits(r[0]))  # every element differs from the shadow
+    table = k.WindowTable(routes, torch.device("cpu"), block)
+    modes = {int(m) for _, m, _, _ in table.groups}
+    assert {k.ALIGNED, k.CONTIG, k.ROWS, k.FLAT} <= modes, modes
+
+    def expected(v):
+        if v.dim() == 2 and v.shape[1] >= block // 2:  # ROWS: tiles row by row
+            ncols = v.shape[1]
+            tpr = -(-ncols // block)
+            sizes = [min(block, ncols - (t % tpr) * block) for t in range(v.shape[0] * tpr)]
+        else:
+            sizes = [min(block, v.numel() - t * block) for t in range(-(-v.numel() // block))]
+        return sum(sizes[:: k.SAMPLE])
+
+    want = [expected(v) for v in regions.values()]
+    assert table.sampled.tolist() == want
+    counts, _ = table.counts(table.sample(work))
+    assert counts.tolist() == want
+    assert [int((shadow(r) == bits(r[0])).sum()) for r in routes] == want
+    again, _ = table.counts(table.sample(work))
+    assert again.tolist() == [0] * len(routes)
+
+
 @interpreted
 def test_interp_addressing_modes():
     from weightbus.codecs._delta_triton import CONTIG, FLAT, ROWS, region_mode

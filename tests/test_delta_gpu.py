@@ -11,6 +11,7 @@ import importlib.util
 import math
 import multiprocessing as mp
 import socket
+import sys
 import traceback
 import zlib
 from datetime import timedelta
@@ -73,11 +74,10 @@ def test_a_damaged_sparse_index_is_not_written_on_the_gpu(impl):
     damaged_index_case("cuda", impl)
 
 
-def _start_on_cuda(codecs, bucket_bytes=2048):
+def _start_on_cuda(codecs, bucket_bytes=2048, cast=None):
     ws, rs = writers(), readers()
-    plan = make_plan(
-        ws, rs, PlanOptions(bucket_bytes=bucket_bytes, direct_bytes=0, cast={"float32": "bfloat16"})
-    )
+    cast = {"float32": "bfloat16"} if cast is None else cast
+    plan = make_plan(ws, rs, PlanOptions(bucket_bytes=bucket_bytes, direct_bytes=0, cast=cast))
     g = torch.Generator().manual_seed(0)
     canon = {
         t: torch.randn(shape, generator=g).to(getattr(torch, dt))
@@ -292,6 +292,62 @@ def _participant(role: str, port: int, q, size: str) -> None:
         q.put((role, "ok" if used and not bad else "wrong", (used, sizes, bad[:5])))
     except BaseException as exc:
         q.put((role, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(monkeypatch):
+    """Where every writer route of a window is a live region (no cast), the window's shadow
+    is brought up to date by copies (of contiguous bytes, or of a strided region), not a
+    compare pass, when it is sent
+    dense, after a compare of a sample of its tiles where that was on a guess (every route
+    went dense last time). Syncs stay bit exact through dense, 50%, 50% (on a guess), 1%
+    (still on a guess; the sample sees few changes) and 1% (sparse again)."""
+    import tests.test_codec_delta as cases
+    from weightbus.codecs.delta import DeltaEncoder
+
+    monkeypatch.setenv("WEIGHTBUS_DELTA_TRITON", "1")
+    bf16 = {t: (shape, "bfloat16") for t, (shape, _) in TENSORS.items()}
+    for module in (cases, sys.modules[__name__]):  # the layouts' and the canonical tensors'
+        monkeypatch.setattr(module, "TENSORS", bf16)
+    copied = []
+    real = DeltaEncoder._copy
+
+    def spy(self, w, win, copies, side):
+        copied.append((w, win.guess))
+        return real(self, w, win, copies, side)
+
+    monkeypatch.setattr(DeltaEncoder, "_copy", spy)
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000))
+    plan, ws, rs, canon, live, got, wcs, rcs = _start_on_cuda(codecs, cast={})
+    layouts = [lay for w in wcs for lay in w.encoder._layouts]
+    assert all(lay.copies is not None for lay in layouts)
+    # the readers' column cuts: strided regions of the writers' tensors
+    assert any(not src.is_contiguous() for lay in layouts for _, src in lay.copies)
+    dense_bytes = plan.stats.total_bytes
+    g = torch.Generator().manual_seed(5)
+    moved, guessed = [], []
+    for step, fraction in enumerate([0.0, 0.5, 0.5, 0.01, 0.01], start=1):
+        if fraction:
+            change(canon, g, fraction)
+        for lay, t in zip(ws, live, strict=True):
+            fill_from_canonical(lay, {n: v.cuda() for n, v in canon.items()}, t)
+        if step < 5:  # dense or sent dense on a guess: every byte is written
+            for t in got:
+                for v in t.values():
+                    poison(v)
+        copied.clear()
+        moved.append(run_sync(plan, wcs, rcs, step))
+        guessed.append(sum(guess for _, guess in copied))
+        cpu = [{n: v.cpu() for n, v in t.items()} for t in got]
+        try:
+            assert_exact(rs, cpu, canon)
+        except AssertionError as exc:
+            raise AssertionError(f"sync {step} ({fraction:.0%} changed): {exc}") from exc
+        if step == 1:
+            assert copied and not any(guess for _, guess in copied), copied
+    assert guessed[0] == guessed[1] == 0 and guessed[2] > 0 and guessed[3] > 0, guessed
+    assert moved[2] > 0.9 * dense_bytes and moved[3] > 0.9 * dense_bytes, (moved, dense_bytes)
+    fixed = unchanged_sync_bytes(rcs)
+    assert moved[4] - fixed < 0.2 * dense_bytes, (moved, fixed, dense_bytes)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

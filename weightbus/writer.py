@@ -383,6 +383,9 @@ class Writer(_Session):
         tag = rest_tag(op, len(self.plan.buckets))
         if rest.numel():  # nothing changed in the group: no second message (the reader knows)
             handles.append(self.transport.send(op.peer_global, rest, tag))
+        t = time.perf_counter()
+        self.codec.queued(op)
+        phases["pack"] += time.perf_counter() - t
         return handles, sum(h.nbytes for h in handles)
 
     def _send_directories(self, first: BucketOp, directories: torch.Tensor) -> Handle:

@@ -66,6 +66,10 @@ Measured on an H200, 1 GiB of bf16 in 32 routes (steps, 4 tiles a program, again
 COMPARE = (1, 8)
 """Tiles per program and warps of the compare pass (on an H200, 2 tiles a program or 4 or
 16 warps were slower)."""
+SAMPLE = 16
+"""A window sent dense on a guess (every route of it went dense last time) is copied into the
+shadow; :meth:`WindowTable.sample` first compares every this-many-th tile of each of its
+routes (the first included), to tell when a route would go sparse again."""
 WHOLE_ABOVE = 1 / 16
 """The compare pass writes a tile's changed elements into the shadow one at a time or, where
 more than this fraction of its elements changed, the whole tile (16 bytes a store where
@@ -206,13 +210,17 @@ def _at(row, t, j, MODE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tiles(tiles_ptr, routes_ptr, first, n, R: tl.constexpr):
-    """This program's ``R`` tiles of a launch of ``n`` from tile ``first``: their indices in
-    the window, whether they are in the launch (the last program's may not be), and their
-    routes' rows (a tile past the launch reads route row 0 and writes nothing)."""
+def _tiles(tiles_ptr, picks_ptr, routes_ptr, first, n, R: tl.constexpr, PICK: tl.constexpr):
+    """This program's ``R`` tiles of a launch of ``n`` from tile ``first`` (``PICK``: from
+    entry ``first`` of the tile indices at ``picks_ptr``): their indices in the window,
+    whether they are in the launch (the last program's may not be), and their routes' rows
+    (a tile past the launch reads route row 0 and writes nothing)."""
     k = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     live = k < n
-    g = first + k
+    if PICK:
+        g = tl.load(picks_ptr + first + k, mask=live, other=0).to(tl.int64)
+    else:
+        g = first + k
     row = routes_ptr + tl.load(tiles_ptr + g, mask=live, other=0).to(tl.int64) * _RF
     return g, live, row
 
@@ -275,6 +283,7 @@ def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, b
 @triton.jit(do_not_specialize=["first", "n"])
 def _compare_kernel(
     tiles_ptr,
+    picks_ptr,
     routes_ptr,
     work_ptr,
     scratch_ptr,
@@ -289,17 +298,22 @@ def _compare_kernel(
     BLOCK: tl.constexpr,
     R: tl.constexpr,
     WHOLE: tl.constexpr,
+    PICK: tl.constexpr,
 ):
     """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits), and bring
     the shadow up to date; ``UPDATE``: no bitmask (every reader of the window gets dense
-    bytes); ``COUNT``: with counts; ``WHOLE``: see :func:`_compare_aligned`."""
+    bytes); ``COUNT``: with counts; ``WHOLE``: see :func:`_compare_aligned`; ``PICK``: the
+    launch's tiles are the ``n`` listed at ``picks_ptr`` from entry ``first`` (a sample),
+    else tiles ``first`` to ``first + n``."""
     if MODE == _ALIGNED or MODE == _ALIGNED_ROWS:
         tl.static_assert(R == 1, "ALIGNED routes: one tile a program")
+        at = first + tl.program_id(0).to(tl.int64)
+        if PICK:
+            at = tl.load(picks_ptr + at).to(tl.int64)
         _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr,
-                         first + tl.program_id(0).to(tl.int64), T, MODE == _ALIGNED_ROWS,
-                         UPDATE, COUNT, BLOCK, WHOLE)  # fmt: skip
+                         at, T, MODE == _ALIGNED_ROWS, UPDATE, COUNT, BLOCK, WHOLE)  # fmt: skip
         return
-    g, live, row = _tiles(tiles_ptr, routes_ptr, first, n, R)
+    g, live, row = _tiles(tiles_ptr, picks_ptr, routes_ptr, first, n, R, PICK)
     rr = row[:, None]
     u, valid, off = _at(rr, g[:, None] - tl.load(rr + 3), tl.arange(0, BLOCK)[None, :], MODE, BLOCK)
     valid = valid & live[:, None]
@@ -724,6 +738,34 @@ class WindowTable:
                 self.groups.append((*key, tile, tiles))
             tile += tiles
         self.tiles = tile
+        # a sample's tiles: every SAMPLE-th of each route from its first, listed per launch
+        # group; and each route's elements in them (a route's or row's last tile may hold
+        # fewer than a block)
+        picks: list[np.ndarray] = []
+        self.sample_groups: list[tuple[int, int, int, int]] = []
+        """Per launch of :meth:`sample`: (itemsize, mode, first entry of its picks, picks)."""
+        self.sampled = np.zeros(self.slots, np.int64)
+        """Per slot: its elements in the tiles a :meth:`sample` compares."""
+        taken = 0
+        for key, tiles, row, slot in rows:
+            numel, t0, tpr = row[4], row[3], row[5]
+            mine = np.arange(0, tiles, SAMPLE)
+            if key[1] in (ROWS, ALIGNED_ROWS):  # a row's last tile: what is left of the row
+                ncols = numel // (tiles // tpr)
+                sizes = np.where(mine % tpr == tpr - 1, ncols - (tpr - 1) * block, block)
+            else:
+                sizes = np.where(mine == tiles - 1, numel - (tiles - 1) * block, block)
+            self.sampled[slot] = int(sizes.sum())
+            picks.append((t0 + mine).astype(np.int32))
+            if self.sample_groups and self.sample_groups[-1][:2] == key:
+                isz, mode, first, n = self.sample_groups[-1]
+                self.sample_groups[-1] = (isz, mode, first, n + len(mine))
+            else:
+                self.sample_groups.append((*key, taken, len(mine)))
+            taken += len(mine)
+        self._picks = torch.from_numpy(np.concatenate(picks or [np.zeros(1, np.int32)])).to(
+            self.device
+        )
         self._routes = torch.from_numpy(table).to(self.device)
         self._owner = torch.from_numpy(np.concatenate(owner or [np.zeros(0, np.int32)])).to(
             self.device
@@ -745,12 +787,14 @@ class WindowTable:
                 for update, count, counts, bits in ((1, 0, b, b), (1, 1, i, b), (0, 1, i, i)):
                     for m in {mode, _unaligned(mode)}:
                         r, warps = _compare_shape(m)
-                        _compare_kernel.warmup(
-                            self._owner, self._routes, b, b, counts, bits, first, n,
-                            T=_INT[isz], MODE=m, UPDATE=bool(update), COUNT=bool(count),
-                            BLOCK=self.block, R=r, WHOLE=self._whole, num_warps=warps,
-                            grid=(1,),
-                        )  # fmt: skip
+                        for pick in (False, True) if update and count else (False,):
+                            # (pick: the sampled tally, :meth:`sample`)
+                            _compare_kernel.warmup(
+                                self._owner, self._picks, self._routes, b, b, counts, bits,
+                                first, n, T=_INT[isz], MODE=m, UPDATE=bool(update),
+                                COUNT=bool(count), BLOCK=self.block, R=r, WHOLE=self._whole,
+                                PICK=pick, num_warps=warps, grid=(1,),
+                            )  # fmt: skip
                 for steps in (True, False):
                     r, warps = EMIT_STEPS if steps else EMIT_LANES
                     _emit_kernel.warmup(
@@ -791,13 +835,36 @@ class WindowTable:
                 mode = mode if aligned else _unaligned(mode)
                 r, warps = _compare_shape(mode)
                 _compare_kernel[(-(-n // r),)](
-                    self._owner, self._routes, work, scratch, counts, bits, first, n,
-                    T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count or not update,
-                    BLOCK=self.block, R=r, WHOLE=self._whole, num_warps=warps,
+                    self._owner, self._picks, self._routes, work, scratch, counts, bits,
+                    first, n, T=_INT[isz], MODE=mode, UPDATE=update,
+                    COUNT=count or not update, BLOCK=self.block, R=r, WHOLE=self._whole,
+                    PICK=False, num_warps=warps,
                 )  # fmt: skip
         if update:
             return (counts, None) if count else None
         return counts, bits
+
+    def sample(self, work: torch.Tensor, stream: torch.cuda.Stream | None = None):
+        """Launch a compare pass over every :data:`SAMPLE`-th tile of each route, its first
+        included (no waiting; the routes' new values must be live regions, not scratch), on
+        ``stream`` if given: the state for :meth:`counts`, whose counts are then of those
+        tiles alone (:attr:`sampled`: how many elements each route had there). Their changed
+        elements go into the shadow, as a whole pass would."""
+        counts = torch.zeros(self.tiles + 1, dtype=torch.int32, device=self.device)
+        if not self.tiles:
+            return counts, None
+        on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        aligned = work.data_ptr() % 16 == 0
+        with _device_context(self.device), on:
+            for isz, mode, first, n in self.sample_groups:
+                mode = mode if aligned else _unaligned(mode)
+                r, warps = _compare_shape(mode)
+                _compare_kernel[(-(-n // r),)](
+                    self._owner, self._picks, self._routes, work, work, counts, work, first,
+                    n, T=_INT[isz], MODE=mode, UPDATE=True, COUNT=True, BLOCK=self.block,
+                    R=r, WHOLE=self._whole, PICK=True, num_warps=warps,
+                )  # fmt: skip
+        return counts, None
 
     def counts(self, state) -> tuple[np.ndarray, object]:
         """Each slot's count of changed elements (waits for the compare pass)."""

@@ -379,6 +379,12 @@ class WriterCodec:
             )
         return self.encoder.encode_group(op, buf)
 
+    def queued(self, op: BucketOp) -> None:
+        """Deltas: the group bucket ``op`` starts was handed to the transport (its next
+        pass's compare may start: :meth:`~weightbus.codecs.delta.DeltaEncoder.queued`)."""
+        if self.encoder is not None:
+            self.encoder.queued(op)
+
     def send_buffers(self) -> list[torch.Tensor]:
         """What sends may read besides the staging buffers and live tensors (for transports
         that register memory): with deltas, a shadow on the writer's device."""
