@@ -759,6 +759,7 @@ def run_sync(
         nxt = w.ahead(wop)
         if nxt is not None:
             ahead[nxt[0].bucket] = nxt[1].numpy().tobytes()
+        w.queued(wop)  # (as a Writer does once the group's sends are posted)
         if ri in absent:
             continue
         got = _random_bytes(members.capacity, r.device)
