@@ -304,6 +304,7 @@ def profiled(name: str, i: int, warmup: int):
     """A profiler around sync ``i`` when ``$WEIGHTBUS_PROFILE_DIR`` is set and ``i`` is the first
     timed sync: writes ``<name>.txt`` there (the ops by CPU time and by CUDA time); otherwise a
     no-op; with ``$WEIGHTBUS_PROFILE_TRACE`` set also ``<name>.trace.json``, the timeline, and
+    ``<name>.timeline.txt``, its summary (:mod:`weightbus.bench.timeline`), and
     with ``$WEIGHTBUS_PROFILE_STACK`` set the Python calls in it too (slower: every call is
     recorded). For finding where a scenario's time goes, not for its figures."""
 
@@ -334,7 +335,11 @@ class _Profile:
         avg = self.prof.key_averages()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if os.environ.get("WEIGHTBUS_PROFILE_TRACE"):  # the timeline too, for chrome://tracing
-            self.prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))
+            trace = self.path.with_suffix(".trace.json")
+            self.prof.export_chrome_trace(str(trace))
+            from weightbus.bench.timeline import write_summary
+
+            write_summary(trace)  # <name>.timeline.txt: per stream, and the link's idle gaps
         with open(self.path, "w") as f:
             f.write(
                 avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)

@@ -1,0 +1,70 @@
+"""``weightbus.bench.timeline``: a profiled sync's trace summarized per stream, with the gaps
+between transfer kernels and what ran beside them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightbus.bench.timeline import main, summarize, write_summary
+
+
+def _kernel(name, stream, start_ms, dur_ms, cat="kernel"):
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "ts": 1_000_000 + start_ms * 1000,
+        "dur": dur_ms * 1000,
+        "args": {"stream": stream},
+    }
+
+
+@pytest.fixture
+def trace(tmp_path):
+    nccl = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    events = [
+        _kernel("_compare_kernel", 14, 0.0, 1.0),
+        _kernel(nccl, 18, 1.0, 3.0),
+        _kernel("_compare_kernel", 14, 3.5, 1.0),  # holds the next message back
+        _kernel(nccl, 18, 4.5, 3.0),
+        _kernel("Memcpy DtoD (Device -> Device)", 14, 7.0, 0.5, cat="gpu_memcpy"),
+        _kernel(nccl, 18, 7.6, 2.0),  # 0.1 ms after the last: not a gap
+        _kernel("_emit_kernel", 7, 11.0, 1.0),  # after 1.4 ms with nothing on the GPU
+        _kernel(nccl, 18, 12.0, 1.0),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 1_000_000, "dur": 50},
+    ]
+    path = tmp_path / "S7-writer-0.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_the_summary_gives_streams_transfers_gaps_and_idle_stretches(trace):
+    text = summarize(trace, gap_ms=0.2)
+    assert "8 GPU events over 13.00 ms" in text
+    assert "stream 14: 3, 2.50 ms, 0.00, 7.50, _compare_kernel (2.00 ms)" in text
+    assert "stream 18: 4, 9.00 ms, 1.00, 13.00" in text
+    assert "transfer kernels: 4, 9.00 ms of 13.00 (69%), first at 1.00" in text
+    assert "gaps over 0.2 ms between transfer kernels: 2, 2.90 ms" in text
+    lines = text.splitlines()
+    gaps = lines[lines.index(next(x for x in lines if x.startswith("gaps over"))) + 1 :]
+    assert gaps[0].split() == ["2.40", "ms", "at", "9.60:", "_emit_kernel"]
+    assert gaps[1].split() == ["0.50", "ms", "at", "4.00:", "_compare_kernel"]
+    assert "every stream idle over 0.2 ms: 1 times, 1.40 ms" in text
+
+
+def test_the_summary_is_written_beside_the_trace_and_printed(trace, capsys):
+    out = write_summary(trace)
+    assert out.name == "S7-writer-0.timeline.txt"
+    assert out.read_text() == summarize(trace)
+    assert main([str(trace), "--gap-ms", "1"]) == 0
+    assert "gaps over 1.0 ms between transfer kernels: 1, 2.40 ms" in capsys.readouterr().out
+
+
+def test_a_trace_without_gpu_events_or_a_missing_file_says_so(tmp_path):
+    empty = tmp_path / "x.trace.json"
+    empty.write_text(json.dumps({"traceEvents": []}))
+    assert "no GPU events" in summarize(empty)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json")])

@@ -1,0 +1,139 @@
+"""A profiled sync's GPU timeline in a few lines: what each stream ran, and where the link sat
+idle between messages.
+
+``weightbus bench gpu`` writes ``<name>.trace.json`` (a Chrome trace from the PyTorch
+profiler) when ``$WEIGHTBUS_PROFILE_TRACE`` is set; :func:`summarize` reads one and
+:func:`write_summary` writes ``<name>.timeline.txt`` beside it, small enough to read in a
+terminal, so that a run on a remote machine need not carry the trace back:
+
+- per GPU stream: its kernels and copies, their time, and when the first began and the last
+  ended (milliseconds from the first GPU event);
+- the transfer kernels (NCCL's, by name) in order, with the gap before each one longer than
+  ``gap_ms``, and what ran on the other streams during that gap (a compare pass that held
+  the next message back shows there);
+- the transfer kernels' time against the span from the first GPU event to the last;
+- the stretches longer than ``gap_ms`` in which no stream ran anything (the GPU waited for
+  its host).
+
+Usage: ``python -m weightbus.bench.timeline TRACE.json [--gap-ms 0.2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["summarize", "write_summary"]
+
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_TRANSFER = "nccl"
+
+
+def _events(trace: dict) -> list[dict]:
+    """The trace's complete GPU events, oldest first."""
+    out = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES and "dur" in e
+    ]
+    return sorted(out, key=lambda e: float(e["ts"]))
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def summarize(path: str | Path, *, gap_ms: float = 0.2, most: int = 40) -> str:
+    """The timeline of the trace at ``path`` as text (see the module docstring); ``most``
+    caps the gaps listed (the longest are kept)."""
+    trace = json.loads(Path(path).read_text())
+    events = _events(trace)
+    if not events:
+        return f"{path}: no GPU events (was the trace taken with CUDA activity?)\n"
+    t0 = float(events[0]["ts"])
+    end = max(float(e["ts"]) + float(e["dur"]) for e in events)
+
+    def ms(us: float) -> float:
+        return (us - t0) / 1000.0
+
+    lines = [f"{Path(path).name}: {len(events)} GPU events over {ms(end):.2f} ms"]
+    streams: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        streams[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    lines.append("per stream: events, busy ms, first start, last end, most time in")
+    for stream, evs in sorted(streams.items(), key=lambda kv: float(kv[1][0]["ts"])):
+        busy = sum(float(e["dur"]) for e in evs) / 1000.0
+        by_name: dict[str, float] = defaultdict(float)
+        for e in evs:
+            by_name[e["name"]] += float(e["dur"])
+        top = max(by_name, key=lambda n: by_name[n])
+        last = max(float(e["ts"]) + float(e["dur"]) for e in evs)
+        lines.append(
+            f"  stream {stream}: {len(evs)}, {busy:.2f} ms, {ms(float(evs[0]['ts'])):.2f}, "
+            f"{ms(last):.2f}, {_short(top)} ({by_name[top] / 1000.0:.2f} ms)"
+        )
+    idle, stretches, busy_to = 0.0, 0, float(events[0]["ts"])
+    for e in events:
+        start = float(e["ts"])
+        if (start - busy_to) / 1000.0 > gap_ms:
+            idle += (start - busy_to) / 1000.0
+            stretches += 1
+        busy_to = max(busy_to, start + float(e["dur"]))
+    lines.append(f"every stream idle over {gap_ms} ms: {stretches} times, {idle:.2f} ms")
+    transfers = [e for e in events if _TRANSFER in e["name"].lower()]
+    if not transfers:
+        lines.append("no transfer kernels")
+        return "\n".join(lines) + "\n"
+    moving = sum(float(e["dur"]) for e in transfers) / 1000.0
+    lines.append(
+        f"transfer kernels: {len(transfers)}, {moving:.2f} ms of {ms(end):.2f} "
+        f"({100.0 * moving / max(ms(end), 1e-9):.0f}%), first at {ms(float(transfers[0]['ts'])):.2f}"
+    )
+    gaps = []
+    for prev, nxt in zip(transfers, transfers[1:], strict=False):
+        a = float(prev["ts"]) + float(prev["dur"])
+        b = float(nxt["ts"])
+        if (b - a) / 1000.0 > gap_ms:
+            beside = sorted(
+                {
+                    _short(e["name"], 32)
+                    for e in events
+                    if e not in (prev, nxt)
+                    and _TRANSFER not in e["name"].lower()
+                    and float(e["ts"]) < b
+                    and float(e["ts"]) + float(e["dur"]) > a
+                }
+            )
+            gaps.append(((b - a) / 1000.0, ms(a), beside))
+    idle = sum(g for g, _, _ in gaps)
+    lines.append(f"gaps over {gap_ms} ms between transfer kernels: {len(gaps)}, {idle:.2f} ms")
+    for g, at, beside in sorted(gaps, reverse=True)[:most]:
+        lines.append(f"  {g:6.2f} ms at {at:8.2f}: {', '.join(beside) if beside else 'nothing'}")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(trace: str | Path, **kwargs) -> Path:
+    """Write :func:`summarize`'s text beside ``trace`` as ``<name>.timeline.txt``."""
+    trace = Path(trace)
+    stem = trace.name.removesuffix(".json").removesuffix(".trace")
+    out = trace.with_name(f"{stem}.timeline.txt")
+    out.write_text(summarize(trace, **kwargs))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m weightbus.bench.timeline", description=__doc__)
+    p.add_argument("trace", help="a Chrome trace (.json) from the PyTorch profiler")
+    p.add_argument("--gap-ms", type=float, default=0.2, help="gaps listed above this (ms)")
+    p.add_argument("--most", type=int, default=40, help="at most this many gaps listed")
+    a = p.parse_args(argv)
+    if not Path(a.trace).is_file():
+        p.error(f"{a.trace}: no such file")
+    print(summarize(a.trace, gap_ms=a.gap_ms, most=a.most), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
