@@ -87,9 +87,10 @@ def summarize(path: str | Path, *, gap_ms: float = 0.2, most: int = 40) -> str:
         lines.append("no transfer kernels")
         return "\n".join(lines) + "\n"
     moving = sum(float(e["dur"]) for e in transfers) / 1000.0
+    share = 100.0 * moving / max(ms(end), 1e-9)
     lines.append(
-        f"transfer kernels: {len(transfers)}, {moving:.2f} ms of {ms(end):.2f} "
-        f"({100.0 * moving / max(ms(end), 1e-9):.0f}%), first at {ms(float(transfers[0]['ts'])):.2f}"
+        f"transfer kernels: {len(transfers)}, {moving:.2f} ms of {ms(end):.2f} ({share:.0f}%), "
+        f"first at {ms(float(transfers[0]['ts'])):.2f}"
     )
     gaps = []
     for prev, nxt in zip(transfers, transfers[1:], strict=False):

@@ -40,10 +40,11 @@ contiguous live bytes, leaving the SMs to the sends) after a compare of every 16
 each of its routes counts its changes, so that it is compared again once some route would go
 sparse; on the torch path, or where some route is computed (FP8, a cast), its compare pass
 does both, queued after the previous window's sends, which a compare grid queued first would
-hold back. Readers apply a window's group of buckets with a launch or two (per element size): a copy of the dense frames
-that go to contiguous regions, and one that writes the other dense frames and scatters every
-sparse frame into the live tensors, after one small device-to-host copy of the group's
-directories and one small host-to-device copy of where its frames go. On CPU the same steps
+hold back. Readers apply a window's group of buckets with a launch or two (per element
+size): a copy of the dense frames that go to contiguous regions, and one that writes the
+other dense frames and scatters every sparse frame into the live tensors, after one small
+device-to-host copy of the group's directories and one small host-to-device copy of where
+its frames go. On CPU the same steps
 are torch operations per route.
 
 Bucket wire format (little-endian, no pickle), one bucket = one byte buffer::
@@ -1075,9 +1076,9 @@ class DeltaEncoder:
         window sent dense come from the shadow the pass writes. A profile of S7 at 50% changed
         on two H100s had the link idle 0.4 to 1.6 ms before most messages. Copies of
         contiguous bytes run on the copy engines and leave the SMs to NCCL; the sample reads a
-        16th of the window (``SAMPLE`` of the kernels' module). S7 at 50% on two H100s: 53.9 and 53.5 ms against 56.2
-        and 57.0 for the compare passes (one machine, one after the other); on two H200s 50.8
-        and 48.6 against 48.2, no gain shown there."""
+        16th of the window (``SAMPLE`` of the kernels' module). S7 at 50% on two H100s: 53.9
+        and 53.5 ms against 56.2 and 57.0 for the compare passes (one machine, one after the
+        other); on two H200s 50.8 and 48.6 against 48.2, no gain shown there."""
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             if win.guess:
