@@ -294,13 +294,15 @@ def _participant(role: str, port: int, q, size: str) -> None:
         q.put((role, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
 
-def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(monkeypatch):
+@pytest.mark.parametrize("shadow", ["device", "host"])
+def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeypatch):
     """Where every writer route of a window is a live region (no cast), the window's shadow
     is brought up to date by copies (of contiguous bytes, or of a strided region), not a
     compare pass, when it is sent
     dense, after a compare of a sample of its tiles where that was on a guess (every route
     went dense last time). Syncs stay bit exact through dense, 50%, 50% (on a guess), 1%
-    (still on a guess; the sample sees few changes) and 1% (sparse again)."""
+    (still on a guess; the sample sees few changes) and 1% (sparse again), with the shadow on
+    the GPU or in host memory (copied into a device window and back)."""
     import tests.test_codec_delta as cases
     from weightbus.codecs.delta import DeltaEncoder
 
@@ -316,7 +318,7 @@ def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(monkeypatch):
         return real(self, w, win, copies, side)
 
     monkeypatch.setattr(DeltaEncoder, "_copy", spy)
-    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000))
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000, shadow=shadow))
     plan, ws, rs, canon, live, got, wcs, rcs = _start_on_cuda(codecs, cast={})
     layouts = [lay for w in wcs for lay in w.encoder._layouts]
     assert all(lay.copies is not None for lay in layouts)
