@@ -27,6 +27,19 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def test_python_dash_m_weightbus_is_the_command():
+    """``python -m weightbus`` runs the CLI (a checkout without the console script)."""
+    got = subprocess.run(
+        [sys.executable, "-m", "weightbus", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 0, got.stderr
+    assert "usage: weightbus" in got.stdout and "demo" in got.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "weightbus", "nonsense"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "invalid choice: 'nonsense'" in bad.stderr
+
+
 def test_plan_prints_statistics_and_json():
     out = _run(
         "plan", "--model", "tiny-llama", "--writers", "fsdp:shard=3", "--readers", "vllm:tp=2,dp=2"
