@@ -231,6 +231,25 @@ def test_bench_gpu_runs_every_variant_and_compares_codecs_with_their_own_s1(tmp_
     assert result["scenarios"][2]["variant_args"] == "--bucket-mb 512 WEIGHTBUS_AMAX_SMS=48"
 
 
+@pytest.mark.timeout(300)
+def test_demo_with_deltas_moves_only_what_changed():
+    """`weightbus demo --deltas` at an RL-like learning rate: the first sync is dense, the
+    next ones carry a fraction of the bytes, and every one is bit exact."""
+    got = _run(
+        "demo", "--size", "tiny", "--steps", "3", "--trainers", "1", "--deltas", "--lr", "1e-6"
+    )
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "sparse deltas" in got.stdout
+    rows = [line.split("|") for line in got.stdout.splitlines() if line.strip()[:1].isdigit()]
+    rows = [[c.strip() for c in r] for r in rows if len(r) == 7]
+    assert [r[0] for r in rows] == ["1", "2", "3"], got.stdout
+    share = [float(r[2].rstrip("%")) for r in rows]
+    assert share[0] >= 99.9 and max(share[1:]) < 50, share
+    assert all(r[5] == "yes" for r in rows), got.stdout
+    bad = _run("demo", "--lr", "0")
+    assert bad.returncode == 2 and "--lr 0.0: the learning rate must be positive" in bad.stderr
+
+
 @pytest.mark.timeout(400)
 def test_demo_runs_and_checks_and_status_watches_it():
     """The demo end to end; while it runs, `weightbus status` shows its participants and a

@@ -112,10 +112,11 @@ def _control(args):
 
 
 def _sync_config(args):
-    from weightbus import SyncConfig
+    from weightbus import DeltaConfig, SyncConfig
 
     return SyncConfig(
         cast={"float32": "bfloat16"},
+        delta=DeltaConfig() if args.deltas else None,
         bucket_bytes=args.bucket_mb << 20,
         transport=args.transport,
         sync_timeout=timedelta(seconds=args.timeout),
@@ -152,7 +153,7 @@ def _trainer(rank: int, args) -> None:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     writer = Writer(bind(model, "writer", rank), _control(args), _sync_config(args))
     plan = writer.connect()
     if rank == 0:
@@ -201,6 +202,7 @@ def _trainer(rank: int, args) -> None:
         record = {
             "step": step,
             "version": step,
+            "dense": plan.stats.total_bytes,
             "bytes": result.bytes,
             "seconds": result.seconds,
             "loss": loss.item(),
@@ -280,8 +282,9 @@ def run(args) -> int:
         f"weightbus demo: Llama-style model, {params / 1e6:.1f}M parameters ({n} layers, hidden {h}, "
         f"GQA {heads}/{kv} heads, tied embeddings)\n"
         f"  trainer: {args.trainers} process(es){' with FSDP2' if args.trainers > 1 else ''}, float32 "
-        f"master weights, AdamW\n"
-        f"  inference: {args.replicas} Hugging Face transformers replica(s), bfloat16 (cast on the wire)\n"
+        f"master weights, AdamW at lr {args.lr:g}\n"
+        f"  inference: {args.replicas} Hugging Face transformers replica(s), bfloat16 (cast on the wire"
+        f"{'; sparse deltas: after the first sync only the changed elements travel' if args.deltas else ''})\n"
         f"  device: {args.device}; {args.steps} steps, sync after each",
         flush=True,
     )
@@ -340,7 +343,8 @@ def run(args) -> int:
     readers = [_read(out / f"reader-{r}.jsonl") for r in range(args.replicas)]
     ref = {rec["version"]: rec for rec in writers[0]}
     print(
-        f"\n{'sync':>4} | {'MB moved':>9} | {'time ms':>8} | {'GB/s':>6} | bit exact | generation"
+        f"\n{'sync':>4} | {'MB moved':>9} | {'of dense':>8} | {'time ms':>8} | {'GB/s':>6} | "
+        "bit exact | generation"
     )
     total_bytes = 0
     all_exact = all_gen = True
@@ -357,9 +361,11 @@ def run(args) -> int:
         all_exact &= exact
         all_gen &= gen
         total_bytes += moved
+        dense = writers[0][step - 1]["dense"]
         print(
-            f"{step:>4} | {moved / 1e6:>9.1f} | {seconds * 1e3:>8.1f} | {moved / seconds / 1e9:>6.2f} | "
-            f"{'yes' if exact else 'NO':>9} | {'same' if gen else 'DIFFERENT'}"
+            f"{step:>4} | {moved / 1e6:>9.1f} | {moved / dense:>8.1%} | {seconds * 1e3:>8.1f} | "
+            f"{moved / seconds / 1e9:>6.2f} | {'yes' if exact else 'NO':>9} | "
+            f"{'same' if gen else 'DIFFERENT'}"
         )
     last = ref[args.steps]["generation"][0]
     print(f"\ngreedy continuation of {PROMPTS[0]} after step {args.steps}: {last}")
@@ -390,6 +396,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", choices=["auto", "cpu"], default="auto", help="where the models live"
     )
     p.add_argument("--transport", default="auto", help="transport name or auto")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="the trainer's AdamW learning rate (default 3e-3, where nearly every bfloat16 "
+        "element changes each step; RL fine-tuning runs near 1e-6, where few do)",
+    )
+    p.add_argument(
+        "--deltas",
+        action="store_true",
+        help="sparse deltas on the wire: after the first sync only the elements that changed "
+        "travel (as indices and values), bit exact",
+    )
     p.add_argument("--bucket-mb", type=int, default=16, help="bucket size in MiB (default 16)")
     p.add_argument(
         "--store-port",
@@ -406,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus demo", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    if not args.lr > 0:
+        p.error(f"--lr {args.lr}: the learning rate must be positive (e.g. 1e-6)")
     if not 0 <= args.store_port <= 65535:
         p.error(f"--store-port {args.store_port} must be a port number, 1-65535 (0: a free one)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
