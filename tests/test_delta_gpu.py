@@ -313,9 +313,9 @@ def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeyp
     copied = []
     real = DeltaEncoder._copy
 
-    def spy(self, w, win, copies, side):
+    def spy(self, w, win):
         copied.append((w, win.guess))
-        return real(self, w, win, copies, side)
+        return real(self, w, win)
 
     monkeypatch.setattr(DeltaEncoder, "_copy", spy)
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000, shadow=shadow))

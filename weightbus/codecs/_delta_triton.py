@@ -827,22 +827,28 @@ class WindowTable:
             bits = torch.empty(
                 self.tiles * (self.block // 32), dtype=torch.int32, device=self.device
             )
+        self._launch_compare(
+            self.groups, work, scratch, counts, bits, update, count or not update, False, stream
+        )
+        if update:
+            return (counts, None) if count else None
+        return counts, bits
+
+    def _launch_compare(self, groups, work, scratch, counts, bits, update, count, pick, stream):
+        """One compare launch per entry of ``groups`` (:attr:`groups`, or with ``pick``
+        :attr:`sample_groups`), on ``stream`` if given."""
         on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         # the ALIGNED routes' places are offsets in these two: aligned only if they are
         aligned = work.data_ptr() % 16 == 0 and scratch.data_ptr() % 16 == 0
         with _device_context(self.device), on:
-            for isz, mode, first, n in self.groups:
+            for isz, mode, first, n in groups:
                 mode = mode if aligned else _unaligned(mode)
                 r, warps = _compare_shape(mode)
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._picks, self._routes, work, scratch, counts, bits,
-                    first, n, T=_INT[isz], MODE=mode, UPDATE=update,
-                    COUNT=count or not update, BLOCK=self.block, R=r, WHOLE=self._whole,
-                    PICK=False, num_warps=warps,
+                    first, n, T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count,
+                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick, num_warps=warps,
                 )  # fmt: skip
-        if update:
-            return (counts, None) if count else None
-        return counts, bits
 
     def sample(self, work: torch.Tensor, stream: torch.cuda.Stream | None = None):
         """Launch a compare pass over every :data:`SAMPLE`-th tile of each route, its first
@@ -851,19 +857,10 @@ class WindowTable:
         tiles alone (:attr:`sampled`: how many elements each route had there). Their changed
         elements go into the shadow, as a whole pass would."""
         counts = torch.zeros(self.tiles + 1, dtype=torch.int32, device=self.device)
-        if not self.tiles:
-            return counts, None
-        on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        aligned = work.data_ptr() % 16 == 0
-        with _device_context(self.device), on:
-            for isz, mode, first, n in self.sample_groups:
-                mode = mode if aligned else _unaligned(mode)
-                r, warps = _compare_shape(mode)
-                _compare_kernel[(-(-n // r),)](
-                    self._owner, self._picks, self._routes, work, work, counts, work, first,
-                    n, T=_INT[isz], MODE=mode, UPDATE=True, COUNT=True, BLOCK=self.block,
-                    R=r, WHOLE=self._whole, PICK=True, num_warps=warps,
-                )  # fmt: skip
+        if self.tiles:
+            self._launch_compare(
+                self.sample_groups, work, work, counts, work, True, True, True, stream
+            )
         return counts, None
 
     def counts(self, state) -> tuple[np.ndarray, object]:

@@ -1050,7 +1050,7 @@ class DeltaEncoder:
                 self._fill(bk.op, win.scratch[at : at + bk.op.nbytes])
         side = None if isinstance(lay.table, _TorchWindow) else self._side
         if win.dense and lay.copies is not None and side is not None:
-            self._copy(w, win, lay.copies, side)
+            self._copy(w, win)
             return
         if side is None:
             win.state = lay.table.compare(win.work, win.scratch, win.dense, count=guess)
@@ -1066,7 +1066,7 @@ class DeltaEncoder:
         if guess:
             self._tally[w] = (win.state, False)
 
-    def _copy(self, w: int, win: _Window, copies, side: torch.cuda.Stream) -> None:
+    def _copy(self, w: int, win: _Window) -> None:
         """Bring the shadow of window ``w``, sent dense, up to date by copies of the live bytes
         on the encoder's stream, after, where it was sent dense on a guess, a compare pass over
         a sample of its tiles, whose counts tell whether it goes dense again (:meth:`end`).
@@ -1079,6 +1079,8 @@ class DeltaEncoder:
         16th of the window (``SAMPLE`` of the kernels' module). S7 at 50% on two H100s: 53.9
         and 53.5 ms against 56.2 and 57.0 for the compare passes (one machine, one after the
         other); on two H200s 50.8 and 48.6 against 48.2, no gain shown there."""
+        side, copies = self._side, win.lay.copies
+        assert side is not None and copies is not None  # (as _launch checked)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             if win.guess:
