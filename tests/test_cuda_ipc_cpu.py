@@ -4,6 +4,7 @@ Transport.wait) instead of waiting for the poller thread to be scheduled."""
 
 from __future__ import annotations
 
+import collections
 import random
 import time
 from datetime import timedelta
@@ -284,5 +285,44 @@ def test_each_handle_is_completed_once_by_the_poller_or_the_waiting_thread():
             t.poller.settle(h)  # races the poller thread, which sees the same events
         t.wait(handles, timedelta(seconds=2))
         assert sorted(map(id, t.completions)) == sorted(map(id, handles))
+    finally:
+        t.poller.close()
+
+
+def test_the_poller_asks_only_each_links_oldest_operation_and_each_event_once():
+    """Operations of one link complete in posting order (one stream), so a round asks the
+    oldest pending one of each peer only, and an event shared by a group once: a round
+    costs a query per link, however many handles are pending (~300 pieces of a delta sync)."""
+    t = _Polled()
+    try:
+        asked: collections.Counter = collections.Counter()
+
+        class Counted(_Event):
+            def query(self) -> bool:
+                asked[id(self)] += 1
+                return super().query()
+
+        links = {}
+        for rank in (0, 1):
+            peer = Participant(role="reader", rank=rank)
+            shared = Counted()  # the first two: one group, one event
+            events = [shared, shared, *(Counted() for _ in range(100))]
+            handles = [Handle("send", peer, i, 8) for i in range(len(events))]
+            for h, e in zip(handles, events, strict=True):
+                h.native = (None, e, None)
+            t.poller.add_many(handles)
+            links[rank] = (handles, events)
+        time.sleep(0.05)  # many rounds
+        for _, events in links.values():
+            assert asked[id(events[0])] > 3  # the oldest: asked every round
+            assert not any(asked[id(e)] for e in events[2:])  # the others: never yet
+        # rounds ask each event once: the shared one as often as the round count, no more
+        rounds = max(asked.values())
+        assert all(n <= rounds for n in asked.values())
+        for _, events in links.values():  # they finish in order
+            for e in events:
+                e.finished = True
+        t.wait([h for handles, _ in links.values() for h in handles], timedelta(seconds=2))
+        assert len(t.completions) == 204
     finally:
         t.poller.close()
