@@ -28,6 +28,7 @@ from weightbus.codecs.delta import (
     _ENT,
     _HEAD,
     FLAG_AHEAD,
+    FLAG_PIECES,
     FLAG_PLAIN,
     GROUP_ALIGN,
     MAGIC,
@@ -42,6 +43,9 @@ from weightbus.codecs.delta import (
     checksum,
     directory_bytes,
     encoded_size,
+    group_layout,
+    group_pieces,
+    piece_posts,
 )
 from weightbus.codecs.fp8 import Fp8Config, scale_name
 from weightbus.errors import WeightbusError
@@ -258,8 +262,9 @@ def _group_at_sync_2():
     w, wop = w_of[members.ops[0].bucket]
     for c in (w, *rcs):
         c.begin(2)
-    directories, sent = w.pack_group(wop, torch.zeros(w.group(wop).capacity, dtype=torch.uint8))
-    return rc, members, w, directories.numpy().tobytes(), sent
+    directories, rest = w.pack_group(wop, torch.zeros(w.group(wop).capacity, dtype=torch.uint8))
+    assert [j for j, _ in rest] == [-1]  # (frames: one message)
+    return rc, members, w, directories.numpy().tobytes(), rest[0][1]
 
 
 def test_a_groups_directories_are_checked_before_anything_is_applied():
@@ -514,11 +519,21 @@ def test_groups_of_plain_buckets_are_sent_from_the_shadow(monkeypatch):
     shadow, which lays out each group as its second message does; other groups from the
     staging buffer, in one copy (their plain buckets too). Windows holding buckets to
     several readers, readers bit exact."""
-    plain_groups_case(monkeypatch, "torch")
+    plain_groups_case(monkeypatch, "torch", pieces=False)
 
 
-def plain_groups_case(monkeypatch, impl: str) -> None:
-    codecs = CodecConfig(delta=DeltaConfig(window_bytes=6000))
+def test_groups_of_plain_buckets_are_sent_as_pieces(monkeypatch):
+    """With DeltaConfig.pieces, a group whose buckets all travel whole is sent as its
+    pieces, from the writer's live tensors where a piece lies contiguous there (else
+    staged), into the reader's where it does there (else staged and copied out); where a
+    route's wire values are computed (a cast), from the writer's shadow. Other groups as
+    without it; readers bit exact."""
+    plain_groups_case(monkeypatch, "torch", pieces=True)
+
+
+def plain_groups_case(monkeypatch, impl: str, pieces: bool) -> None:
+    monkeypatch.setattr("weightbus.codecs.delta.PIECE_BYTES", 500)  # (small tensors here)
+    codecs = CodecConfig(delta=DeltaConfig(window_bytes=6000, pieces=pieces))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
     for w in wcs:
         e = w.encoder
@@ -526,20 +541,34 @@ def plain_groups_case(monkeypatch, impl: str) -> None:
     for r in rcs:
         r.decoder = DeltaDecoder(r.ops, r.tensors, r.name, impl=impl)
     assert any(len({bk.op.peer for bk in win}) > 1 for w in wcs for win in w.encoder._windows)
-    shadow_sent: list[bool] = []
+    kinds: list[tuple[str, bool]] = []  # per group: how it went, whether a route is cast
     mixed = []  # groups with plain and framed buckets
+    from_live = collections.Counter()  # pieces sent from live tensors / staged
+    live_storages = {t.untyped_storage().data_ptr() for lv in live for t in lv.values()}
     pack_group = WriterCodec.pack_group
 
     def spy(self, op, buf):
         directories, rest = pack_group(self, op, buf)
-        storage = rest.untyped_storage().data_ptr()
-        assert storage in (buf.untyped_storage().data_ptr(), self.encoder.shadow.data_ptr())
-        shadow_sent.append(storage == self.encoder.shadow.data_ptr())
+        group = self.group(op)
         raw, at, plain = directories.numpy().tobytes(), 0, set()
-        for m in self.group(op).ops:
+        for m in group.ops:
             plain.add(bool(_HEAD.unpack_from(raw, at)[2] & FLAG_PLAIN))
             at += directory_bytes(m)
         mixed.append(len(plain) == 2)
+        cast = any(c.tensor == "a.weight" for m in group.ops for c in m.copies)
+        where = [m.untyped_storage().data_ptr() for _, m in rest]
+        staging = buf.untyped_storage().data_ptr()
+        if _HEAD.unpack_from(raw, 0)[2] & FLAG_PIECES:
+            assert plain == {True} and not cast
+            assert [j for j, _ in rest] == list(range(len(group.pieces)))
+            assert [m.numel() for _, m in rest] == [p.nbytes for p in group.pieces]
+            assert set(where) <= live_storages | {staging}
+            from_live.update(w in live_storages for w in where)
+            kinds.append(("pieces", cast))
+        else:
+            assert [j for j, _ in rest] == [-1]
+            assert where[0] in (staging, self.encoder.shadow.untyped_storage().data_ptr())
+            kinds.append(("buf" if where[0] == staging else "shadow", cast))
         return directories, rest
 
     monkeypatch.setattr(WriterCodec, "pack_group", spy)
@@ -549,7 +578,7 @@ def plain_groups_case(monkeypatch, impl: str) -> None:
     # others 1% (groups of plain and framed buckets)
     steps = [(1, 0.0, True), (2, 0.01, False), (3, 1.0, True), (4, "a.weight", True)]
     steps.append((5, "a.weight", None))  # (groups of a.weight's buckets alone: plain)
-    for step, fraction, from_shadow in steps:
+    for step, fraction, dense in steps:
         if fraction == "a.weight":
             change({"a.weight": canon["a.weight"]}, g, 1.0)
             change({t: v for t, v in canon.items() if t != "a.weight"}, g, 0.01)
@@ -557,16 +586,75 @@ def plain_groups_case(monkeypatch, impl: str) -> None:
             change(canon, g, fraction)
         for lay, t in zip(ws, live, strict=True):
             fill_from_canonical(lay, canon, t)
-        if from_shadow:  # every byte travels: a missed one fails
+        if dense:  # every byte travels: a missed one fails
             for r in got:
                 for t in r.values():
                     poison(t)
-        shadow_sent.clear()
+        kinds.clear()
         mixed.clear()
         run_sync(plan, wcs, rcs, step)
         assert_exact(rs, got, canon)
-        assert shadow_sent and set(shadow_sent) == {from_shadow} or from_shadow is None
+        if dense and pieces:  # as pieces, but groups with a cast route: from the shadow
+            assert kinds and all(k == ("shadow" if cast else "pieces") for k, cast in kinds)
+            assert {k for k, _ in kinds} == {"shadow", "pieces"}
+        elif dense:
+            assert kinds and {k for k, _ in kinds} == {"shadow"}
+        elif dense is False:
+            assert kinds and {k for k, _ in kinds} == {"buf"}
         assert any(mixed) == (step == 5), (step, mixed)
+    if not pieces:
+        assert not from_live and not any(r.decoder._landing for r in rcs)
+        return
+    assert from_live[True] and from_live[False]  # some pieces in place on the writer, some not
+    landed = np.concatenate([x[2] for r in rcs for x in r.decoder._landing.values()])
+    assert landed.any() and not landed.all()  # and on the readers
+
+
+def test_a_groups_pieces_are_its_large_routes_alone_and_the_small_ones_together(monkeypatch):
+    """group_pieces: each route of at least PIECE_BYTES is a piece of its own, the smaller
+    ones between two such travel together (with the padding between them, across buckets),
+    empty routes are left out; the pieces tile the group's plain layout in order, and both
+    sides post them in the same groups of PIECES_PER_POST."""
+    monkeypatch.setattr("weightbus.codecs.delta.PIECE_BYTES", 100)
+    bf = torch.bfloat16
+
+    def op(bucket, sizes):
+        copies, at = [], 0
+        for n in sizes:
+            copies.append(
+                Copy(
+                    key="k",
+                    index=(slice(0, n // 2),),
+                    shape=(n // 2,),
+                    offset=at,
+                    nbytes=n,
+                    dtype=bf,
+                    tensor=f"t{bucket}.{at}",
+                )
+            )
+            at += n + (16 if n else 0)  # (the plan aligns routes: some padding between)
+        return BucketOp(bucket=bucket, peer=0, peer_global=1, wave=0, nbytes=at, copies=copies)
+
+    ops = [op(3, [40, 200, 0, 20, 30]), op(4, [60, 100, 8]), op(5, [300])]
+    pieces = group_pieces(ops)
+    starts = group_layout([o.nbytes for o in ops])[0]
+    s0, s1, s2 = starts
+    assert [(p.routes, p.at, p.nbytes) for p in pieces] == [
+        (((0, 0),), s0, 40),
+        (((0, 1),), s0 + 56, 200),
+        (((0, 3), (0, 4), (1, 0)), s0 + 272, s1 + 60 - (s0 + 272)),  # across buckets
+        (((1, 1),), s1 + 76, 100),
+        (((1, 2),), s1 + 192, 8),  # (alone: a large route follows)
+        (((2, 0),), s2, 300),
+    ]
+    for p in pieces:  # each covers its routes exactly, first to last, in the plain layout
+        (k0, i0), (k1, i1) = p.routes[0], p.routes[-1]
+        assert p.at == starts[k0] + ops[k0].copies[i0].offset
+        last = ops[k1].copies[i1]
+        assert p.at + p.nbytes == starts[k1] + last.offset + last.nbytes
+    assert all(a.at + a.nbytes <= b.at for a, b in zip(pieces, pieces[1:], strict=False))
+    posts = piece_posts(list(pieces) * 5)
+    assert [list(r) for r in posts] == [list(range(a, min(a + 8, 30))) for a in (0, 8, 16, 24)]
 
 
 def test_windows_that_went_dense_are_sent_dense_until_they_would_not():
@@ -1170,10 +1258,12 @@ def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, tile
 
 
 @interpreted
-def test_interp_groups_of_plain_buckets(monkeypatch):
-    """As test_groups_of_plain_buckets_are_sent_from_the_shadow, on the Triton path: plain
-    buckets of groups with framed ones are written whole by the emit pass."""
-    plain_groups_case(monkeypatch, "triton")
+@pytest.mark.parametrize("pieces", [False, True])
+def test_interp_groups_of_plain_buckets(monkeypatch, pieces):
+    """As test_groups_of_plain_buckets_are_sent_from_the_shadow and _as_pieces, on the
+    Triton path: plain buckets of groups with framed ones are written whole by the emit
+    pass, and pieces staged on a reader are copied out by the apply kernel."""
+    plain_groups_case(monkeypatch, "triton", pieces)
 
 
 @interpreted

@@ -221,7 +221,7 @@ def _step_large(model, canon: dict[str, torch.Tensor], version: int, device) -> 
             canon[t.name] = torch.where(changed, x, canon[t.name])
 
 
-def _participant(role: str, port: int, q, size: str) -> None:
+def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> None:
     try:
         from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
         from weightbus.codecs import _delta_triton
@@ -234,7 +234,7 @@ def _participant(role: str, port: int, q, size: str) -> None:
         if size == "tiny":
             model = model_spec("tiny-llama", dtype="bfloat16")
             buckets = {"bucket_bytes": 1 << 20, "direct_bytes": 0}
-            delta = DeltaConfig(checksum_every=3)
+            delta = DeltaConfig(checksum_every=3, pieces=pieces)
         else:
             # Llama-3-8B's shapes, 4 layers (2.2 GB): real sizes for the kernels, the
             # default buckets, and windows small enough for several passes per sync, so that
@@ -242,7 +242,7 @@ def _participant(role: str, port: int, q, size: str) -> None:
             config = {**PRESETS["llama-3-8b"], "num_hidden_layers": 4, "vocab_size": 32000}
             model = model_spec(config, dtype="bfloat16")
             buckets = {}
-            delta = DeltaConfig(checksum_every=3, window_bytes=256 << 20)
+            delta = DeltaConfig(checksum_every=3, window_bytes=256 << 20, pieces=pieces)
         layout = build_layouts(model, "whole" if role == "writer" else "vllm:tp=1", role)[0]
         me = Participant(role=role, rank=0, host=socket.gethostname(), device=str(device))
         layout = dataclasses.replace(layout, participant=me, _memo={})
@@ -354,14 +354,14 @@ def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeyp
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("size", ["tiny", "large"])
-def test_session_sync_over_nccl_uses_the_kernels(size, monkeypatch):
+@pytest.mark.parametrize(("size", "pieces"), [("tiny", False), ("large", False), ("large", True)])
+def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
     monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)  # the default: the kernels
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_participant, args=(r, store.port, q, size))
+        ctx.Process(target=_participant, args=(r, store.port, q, size, pieces))
         for r in ("writer", "reader")
     ]
     for p in procs:

@@ -98,6 +98,26 @@ def _record(transport, op: str) -> list[tuple[int, int]]:
     return log
 
 
+def _record_posts(transport, op: str) -> list[tuple[int, tuple[int, ...]]]:
+    """Log (peer, bytes of each message) of every post of ``op`` ("send" or "recv"), singly
+    or in groups (``send_many`` / ``recv_many``), in order: NCCL needs a link's messages
+    posted in the same groups and order on both sides."""
+    log: list[tuple[int, tuple[int, ...]]] = []
+    post, many = getattr(transport, op), getattr(transport, f"{op}_many")
+
+    def recorded(peer, buf, tag):
+        log.append((int(peer), (buf.numel() * buf.element_size(),)))
+        return post(peer, buf, tag)
+
+    def recorded_many(peer, items):
+        log.append((int(peer), tuple(b.numel() * b.element_size() for b, _ in items)))
+        return many(peer, items)
+
+    setattr(transport, op, recorded)
+    setattr(transport, f"{op}_many", recorded_many)
+    return log
+
+
 def _delta_config():
     from weightbus.codecs import DeltaConfig
 
@@ -452,6 +472,145 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
         assert "disagree on the codecs" in text and "SyncConfig.fp8" in text, text
         for w in words:
             assert w in text, (role, text)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("rooms", [True, False])
+def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
+    """Writers whose weights are the wire's (bf16: no cast) send each group of plain
+    buckets as its pieces, from their tensors, and readers receive each large route's piece
+    straight into theirs (tensor parallel, fused qkv), the small ones staged: dense syncs,
+    a sync where every route changed, then ones sent dense on a guess, and sparse ones
+    between, bit exact after each (readers poisoned before every sync that is all pieces).
+    The writers stage small pieces in rooms of their own, without a staging buffer, or
+    (``rooms`` off: no room for them) in a staging buffer. The messages of a group on each
+    link are posted in the same groups and sizes on both sides, as NCCL needs."""
+    from weightbus import BoundLayout, Participant, Reader, Writer
+    from weightbus.codecs import DeltaConfig
+    from weightbus.codecs.delta import DeltaDecoder, DeltaEncoder
+    from weightbus.layouts.families import model_spec
+    from weightbus.layouts.fsdp import fsdp_layout
+    from weightbus.layouts.fused import engine_layout
+    from weightbus.plan import allocate, fill_from_canonical, poison
+
+    monkeypatch.setattr("weightbus.codecs.delta.PIECE_BYTES", 40 << 10)
+    if not rooms:
+        monkeypatch.setattr("weightbus.codecs.delta.PIECES_AREA_BYTES", 0)
+    model = model_spec(DELTA_MODEL)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    n_w = n_r = 2
+    # (version, fraction of the elements changed, whether every group travels as pieces)
+    plan = [(1, 0.0, True), (2, 0.01, False), (3, 0.6, True), (4, 0.6, True), (5, 0.01, True)]
+    plan.append((6, 0.01, False))  # (5's sample counted few changes: compared again)
+    canon = _canonical(model, 0)
+    versions = {}
+    for v, fraction, _ in plan:
+        g = torch.Generator().manual_seed(v)
+        for x in canon.values():
+            flat = x.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: int(fraction * flat.numel())]
+            flat[idx] = torch.randn(idx.numel(), generator=g)
+        versions[v] = {n: x.to(torch.bfloat16) for n, x in canon.items()}
+    landed: list[tuple[str, int]] = []  # (reader, pieces) per group that came as pieces
+    real = DeltaDecoder.pieces
+
+    def pieces(self, ops, buf):
+        out = real(self, ops, buf)
+        if out is not None:
+            landed.append((self.name, len(out)))
+        return out
+
+    monkeypatch.setattr(DeltaDecoder, "pieces", pieces)
+    unstaged: list[bool] = []  # per group a writer sent as pieces: without a staging buffer?
+    real_unstaged = DeltaEncoder.unstaged
+
+    def spy(self, op):
+        out = real_unstaged(self, op)
+        if (
+            op.bucket
+            in self._open.get(self._window_of[op.bucket], SimpleNamespace(pieces=())).pieces
+        ):
+            unstaged.append(out)
+        return out
+
+    monkeypatch.setattr(DeltaEncoder, "unstaged", spy)
+    sync = {"delta": DeltaConfig(checksum_every=0, window_bytes=DELTA_WINDOW, pieces=True)}
+    ready = threading.Barrier(n_w + n_r)
+
+    def writer(rank):
+        def body():
+            me = Participant(role="writer", rank=rank)
+            layout = fsdp_layout(model, me, shard=n_w, shard_rank=rank, dtype="bfloat16")
+            bound = BoundLayout(layout=layout, tensors=allocate(layout))
+            control, config = _configs(
+                store.port, "pieces", n_r, n_w, bucket_bytes=DELTA_BUCKET, **sync
+            )
+            with Writer(bound, control, config) as w:
+                posted = _record_posts(w.transport, "send")
+                out = []
+                for v, _, _ in plan:
+                    fill_from_canonical(layout, versions[v], bound.tensors)
+                    ready.wait(30)  # (readers poison first)
+                    out.append(w.sync(v).bytes)
+                return out, posted
+
+        return body
+
+    def reader(rank):
+        def body():
+            me = Participant(role="reader", rank=rank)
+            layout = engine_layout(model, me, tp=n_r, tp_rank=rank, dtype="bfloat16")
+            tensors = allocate(layout)
+            control, config = _configs(
+                store.port, "pieces", n_r, n_w, bucket_bytes=DELTA_BUCKET, **sync
+            )
+            r = Reader(BoundLayout(layout=layout, tensors=tensors), control, config)
+            r.connect()
+            posted = _record_posts(r.transport, "recv")
+            wrong, counts = [], []
+            try:
+                for v, _, whole in plan:
+                    if whole:  # every byte travels: a missed one fails
+                        for t in tensors.values():
+                            poison(t)
+                    before = len(landed)
+                    ready.wait(30)
+                    r.wait()
+                    counts.append(len(landed) - before)
+                    want = allocate(layout)
+                    fill_from_canonical(layout, versions[v], want)
+                    wrong += [(v, k) for k in want if not torch.equal(
+                        tensors[k].view(torch.uint8), want[k].view(torch.uint8))]  # fmt: skip
+                in_place = np.concatenate([x[2] for x in r.codec.decoder._landing.values()])
+                return wrong, counts, in_place, posted, len(r.codec.group_starts())
+            finally:
+                r.close()
+
+        return body
+
+    bodies = {f"writer-{w}": writer(w) for w in range(n_w)}
+    bodies |= {f"reader-{r}": reader(r) for r in range(n_r)}
+    out = run_threads(bodies, limit=80)
+    for name, result in out.items():
+        assert not isinstance(result, BaseException), (name, result)
+    for r in range(n_r):
+        wrong, counts, in_place, posted, groups = out[f"reader-{r}"]
+        assert not wrong, wrong
+        # every group as pieces where the sync is all pieces (the counts race with the other
+        # reader's thread, so only each reader's own sum is exact)
+        mine = [n for name, n in landed if name == f"reader-{r}"]
+        assert len(mine) == groups * sum(whole for _, _, whole in plan), (r, len(mine), groups)
+        assert in_place.any() and not in_place.all(), in_place  # in place, and staged
+        for w in range(n_w):
+            sends = [n for peer, n in out[f"writer-{w}"][1] if peer == n_w + r]
+            recvs = [n for peer, n in posted if peer == w]
+            assert sends and sends == recvs, (w, r)
+            assert any(len(n) > 1 for n in sends)  # (pieces posted together)
+    assert unstaged and set(unstaged) == {rooms}, unstaged
+    sent = [a + b for a, b in zip(out["writer-0"][0], out["writer-1"][0], strict=True)]
+    dense = sent[0]
+    assert sent[1] < 0.2 * dense and sent[5] < 0.2 * dense, sent  # the sparse ones
+    assert all(abs(sent[i] - dense) < 0.01 * dense for i in (2, 3, 4)), sent
 
 
 @pytest.mark.timeout(60)

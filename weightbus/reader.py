@@ -31,10 +31,16 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _Session
-from weightbus.codecs.delta import Group
+from weightbus.codecs.delta import Group, piece_posts
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
-from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, checked_tag, rest_tag
+from weightbus.plan.codec_plan import (
+    CodecConfig,
+    ReaderCodec,
+    checked_tag,
+    piece_tag,
+    rest_tag,
+)
 from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout
 from weightbus.transports.base import Handle
@@ -529,8 +535,9 @@ class Reader(_Session):
         phases: dict[str, float],
     ) -> int:
         """Wait for a group's directories (``head``), read them, post the receive of its
-        buckets and that of the next group's directories (into ``heads``) in the order the
-        writer sends them; return the group's bytes."""
+        buckets (one message, or its pieces where the directories say so) and that of the
+        next group's directories (into ``heads``) in the order the writer sends them; return
+        the group's bytes."""
         codec = self.codec
         assert codec is not None and self.transport is not None and self.plan is not None
         first = group.spec.ops[0]
@@ -542,9 +549,16 @@ class Reader(_Session):
         ahead = codec.ahead(first)
         if ahead is not None:
             heads[ahead.bucket] = self._recv_directories(ahead)
-        if n:  # (no frames, nothing changed: the writer sends no second message)
+        landing = codec.pieces(group.spec, group.buf)
+        if landing is not None:  # in place where the live tensors allow, else staged
+            n = 0
+            for post in piece_posts(group.spec.pieces):
+                items = [(landing[j], piece_tag(self.plan, group.spec, j)) for j in post]
+                group.rest += self.transport.recv_many(first.peer_global, items)
+                n += sum(landing[j].numel() for j in post)
+        elif n:  # (no frames, nothing changed: the writer sends no second message)
             tag = rest_tag(first, len(self.plan.buckets))
-            group.rest = self.transport.recv(first.peer_global, group.buf[:n], tag)
+            group.rest = [self.transport.recv(first.peer_global, group.buf[:n], tag)]
         nxt = codec.next_group(first)
         if nxt is not None and ahead is None:
             heads[nxt.bucket] = self._recv_directories(nxt)
@@ -553,7 +567,7 @@ class Reader(_Session):
     def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> None:
         """Wait for a whole group and apply it to the live tensors."""
         t = time.perf_counter()
-        self.transport.wait([group.rest] if group.rest is not None else [], deadline.left())
+        self.transport.wait(group.rest, deadline.left())
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
         self.codec.unpack_group(group.parts, group.buf)
@@ -567,7 +581,7 @@ class Reader(_Session):
 
 class _Group:
     """A writer window's buckets to this reader being received: its staging buffer, then
-    where each bucket lands there and the handle of their receive."""
+    where each bucket lands there and the handles of their receives."""
 
     __slots__ = ("buf", "parts", "rest", "spec")
 
@@ -575,7 +589,8 @@ class _Group:
         self.spec, self.buf = spec, buf
         self.parts: list[tuple[BucketOp, int]] = []
         """Each bucket and where it starts in ``buf``, once the directories were read."""
-        self.rest: Handle | None = None
+        self.rest: list[Handle] = []
+        """The receives of its buckets: one message, or its pieces."""
 
 
 def _free_memory(device: torch.device) -> int:

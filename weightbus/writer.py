@@ -9,10 +9,11 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _Session
+from weightbus.codecs.delta import piece_posts
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
-from weightbus.plan.codec_plan import CodecConfig, WriterCodec, checked_tag, rest_tag
+from weightbus.plan.codec_plan import CodecConfig, WriterCodec, checked_tag, piece_tag, rest_tag
 from weightbus.plan.program import BucketOp
 from weightbus.transports.base import Handle
 from weightbus.verify import RUN_BYTES, Verifier, buffer_views, post_writer, region_views, runs
@@ -262,6 +263,12 @@ class Writer(_Session):
                     codec.check()  # FP8: non-finite weights raise before the first send
                 direct.append(transport.send(op.peer_global, live, op.bucket))
                 n = op.nbytes
+            elif group is not None and self._unstaged(op, phases):
+                # deltas: a group sent as pieces from the live tensors (its staged ones in a
+                # room of its own) waits for no staging buffer, as sends in place do
+                codec.check()
+                handles, n = self._send_group(op, None, phases)
+                direct.extend(handles)
             elif not deltas or group is not None:
                 if not free:
                     # deltas: the window's frames are computed while the oldest send drains
@@ -290,9 +297,10 @@ class Writer(_Session):
                     handles, n = self._send_group(op, buf, phases)
                 staged.append((handles, buf))
             if verifier is not None:
-                # in place: the live bytes; deltas: the shadow, which holds the dense values
-                # the reader must end up with; otherwise the packed bytes (FP8 included)
-                if live is not None:
+                # in place (deltas: as part of a group's pieces): the live bytes; deltas: the
+                # shadow, which holds the dense values the reader must end up with; otherwise
+                # the packed bytes (FP8 included)
+                if live is not None or (deltas and codec.sent_live(op)):
                     sums = region_views(op, codec.tensors)
                 elif deltas:
                     sums = buffer_views(op, codec.encoder.shadow_of(op))
@@ -344,6 +352,15 @@ class Writer(_Session):
         self._directories = []
         return sent
 
+    def _unstaged(self, op: BucketOp, phases: dict[str, float]) -> bool:
+        """Deltas: whether the group bucket ``op`` starts needs no staging buffer in this sync
+        (its window analyzed to know: pack time)."""
+        assert self.codec is not None
+        t = time.perf_counter()
+        unstaged = self.codec.unstaged(op)
+        phases["pack"] += time.perf_counter() - t
+        return unstaged
+
     def _send_passed(self, version: int, finite: torch.Tensor, handles: list[Handle]) -> None:
         """FP8: tell each reader this writer sent buckets ahead whether its weights were
         finite (one word: the version if they were, else -1), after those buckets and before
@@ -359,17 +376,20 @@ class Writer(_Session):
             handles.append(self.transport.send(peer_global, self._passed[at : at + 1], tag))
 
     def _send_group(
-        self, op: BucketOp, buf: torch.Tensor, phases: dict[str, float]
+        self, op: BucketOp, buf: torch.Tensor | None, phases: dict[str, float]
     ) -> tuple[list[Handle], int]:
-        """Deltas: encode the window's buckets to ``op``'s reader into ``buf`` and send them
-        as two messages: their directories (whose sizes the reader knows), unless they went
-        ahead with the previous group's, then the buckets themselves; the next group's
-        directories go before the buckets where this group's say so (the reader then posts
-        its next receive while these buckets travel). Return the handles and the bytes
-        sent."""
+        """Deltas: encode the window's buckets to ``op``'s reader into ``buf`` (None: a group
+        that needs none, :meth:`WriterCodec.unstaged`) and send them:
+        their directories (whose sizes the reader knows), unless they went ahead with the
+        previous group's, then the buckets themselves, as one message or, where they say so,
+        as the group's pieces (from the live tensors); the next group's directories go
+        before the buckets where this group's say so (the reader then posts its next
+        receive while these buckets travel). Return the handles and the bytes sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
+        nb = len(self.plan.buckets)
         t = time.perf_counter()
-        directories, rest = self.codec.pack_group(op, buf)  # rest: in buf, or the shadow's
+        # the rest: one message (in buf, or the shadow's) or the pieces (live, or in buf)
+        directories, rest = self.codec.pack_group(op, buf)
         handles: list[Handle] = []
         if op.bucket in self._ahead:
             self._ahead.discard(op.bucket)  # sent with the previous group's buckets
@@ -380,9 +400,15 @@ class Writer(_Session):
             handles.append(self._send_directories(*nxt))
             self._ahead.add(nxt[0].bucket)
         phases["pack"] += time.perf_counter() - t
-        tag = rest_tag(op, len(self.plan.buckets))
-        if rest.numel():  # nothing changed in the group: no second message (the reader knows)
-            handles.append(self.transport.send(op.peer_global, rest, tag))
+        if rest and rest[0][0] < 0:  # (nothing changed in the group: no message at all)
+            handles.append(self.transport.send(op.peer_global, rest[0][1], rest_tag(op, nb)))
+        elif rest:
+            group = self.codec.group(op)
+            assert group is not None
+            for post in piece_posts(group.pieces):
+                handles += self.transport.send_many(
+                    op.peer_global, [(rest[j][1], piece_tag(self.plan, group, j)) for j in post]
+                )
         t = time.perf_counter()
         self.codec.queued(op)
         phases["pack"] += time.perf_counter() - t

@@ -359,11 +359,13 @@ def _scenario_codecs(
     fp8_bucket_mb: int | None = None,
     window_mb: int | None = None,
     windows_per_pass: int | None = None,
+    pieces: bool = False,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
     defaults Fp8Config's), S7 deltas (checksums only on request; windows of ``window_mb``
-    MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's)."""
+    MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's; ``pieces``:
+    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
@@ -375,7 +377,7 @@ def _scenario_codecs(
         window = {} if window_mb is None else {"window_bytes": window_mb << 20}
         if windows_per_pass is not None:
             window["windows_per_pass"] = windows_per_pass
-        return {"delta": DeltaConfig(checksum_every=0, **window)}
+        return {"delta": DeltaConfig(checksum_every=0, pieces=pieces, **window)}
     return {}
 
 
@@ -388,6 +390,7 @@ def _codec_flags(a) -> dict:
         "fp8_bucket_mb": a.fp8_bucket_mb,
         "window_mb": a.window_mb,
         "windows_per_pass": a.windows_per_pass,
+        "pieces": a.pieces,
     }
 
 
@@ -800,6 +803,7 @@ def _run_spec(
         delta = _scenario_codecs("S7", **_codec_flags(a))["delta"]
         entry["window_mb"] = delta.window_bytes >> 20
         entry["windows_per_pass"] = delta.windows_per_pass
+        entry["pieces"] = delta.pieces
         entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
     print(
         f"  {sname}{tag}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
@@ -876,6 +880,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="S7: windows the delta writer compares at once (default: DeltaConfig's)",
+    )
+    p.add_argument(
+        "--pieces",
+        action="store_true",
+        help="S7: groups of plain buckets travel as pieces, from and into the live tensors "
+        "(DeltaConfig.pieces; off by default)",
     )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")

@@ -49,7 +49,7 @@ are torch operations per route.
 
 Bucket wire format (little-endian, no pickle), one bucket = one byte buffer::
 
-    header     48 bytes   magic "WBD2", frames, flags (1: checksum, 2: plain, 4: see
+    header     48 bytes   magic "WBD2", frames, flags (1: checksum, 2: plain, 4 and 8: see
                           below), reserved,
                           used bytes, version, base version (-1: no sparse frame), checksum
     directory  16 bytes per route, in the bucket's route order:
@@ -79,7 +79,11 @@ ms per 1 GiB group). A reader so waits for sizes once per window, not once per b
 applies a group with one launch: measured on two GPUs, each such wait (the directory's
 arrival, a device-to-host copy, posting the receive) and each apply (its directory read, its
 table copied, its launch) cost about a millisecond of host time per bucket at 256 MiB
-buckets, most of a sync with 1% of the elements changed.
+buckets, most of a sync with 1% of the elements changed. With :attr:`DeltaConfig.pieces`, a
+group of plain buckets whose routes are all live regions on the writer travels, when its first
+header has flag 8 (``FLAG_PIECES``), as its pieces instead of its second message
+(:func:`group_pieces`, the same on both sides): each from the writer's tensors where it lies
+contiguous there, each into the reader's where it does there, the others staged.
 
 When the writer sends dense (:class:`DeltaPolicy`): the first sync (nothing sent before),
 to a reader whose acknowledged version is not the one the shadow holds (it missed a sync or
@@ -121,12 +125,15 @@ __all__ = [
     "Group",
     "group_aligned",
     "group_layout",
+    "group_pieces",
+    "Piece",
+    "piece_posts",
     "window_index",
 ]
 
 MAGIC = int.from_bytes(b"WBD2", "little")
 DENSE, SPARSE = 1, 2
-FLAG_CHECKSUM, FLAG_PLAIN, FLAG_AHEAD = 1, 2, 4
+FLAG_CHECKSUM, FLAG_PLAIN, FLAG_AHEAD, FLAG_PIECES = 1, 2, 4, 8
 ALIGN = 16
 # header: magic, frames, flags, reserved, used, version, base version, checksum
 _HEAD = struct.Struct("<IIIIQqqQ")
@@ -171,6 +178,17 @@ class DeltaConfig:
     per pass (the wait, the frames' layout, the launches) is about fixed, so on a GPU with 1
     GiB windows one window a pass left the writer waiting on its own host. The first window
     goes alone, as nothing is sent before its pass is done. Writer-side only."""
+    pieces: bool = False
+    """Whether a group of plain buckets (every route dense: a dense sync, or a window that
+    changed enough) whose routes are all live regions travels as its pieces
+    (:func:`group_pieces`): from the writer's tensors and, where the reader's regions are
+    contiguous in the wire dtype, straight into them; nothing is copied into or out of a
+    staging buffer, and the copies that update the shadow run beside the sends. Writer-side
+    only (readers take either). Off by default: on two H200s (Llama-3-8B, 50% of the
+    elements changed every sync) syncs took 53-54 ms with it, against 49-50 ms without,
+    although the readers' copying out of staging fell from 7-9 to 2-3 ms of their sync. A
+    profile on two H100s had the link idle, a few times a pass, while the writer's host
+    issued the pass's copies and posted its sends; see docs/history.md."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
@@ -233,10 +251,27 @@ def window_index(nbytes: Sequence[int], window_bytes: int) -> list[int]:
 
 GROUP_ALIGN = 256
 """Where each bucket of a window's group starts in the group's message (bytes)."""
-GROUP_FORMAT = 3
-"""The layout and order of a group's messages, part of the codec agreement: 3, a group's
+GROUP_FORMAT = 4
+"""The layout and order of a group's messages, part of the codec agreement: 4, a group of
+plain buckets may travel as its pieces (``FLAG_PIECES``, :func:`group_pieces`); 3, a group's
 directories may come before the previous group's buckets (``FLAG_AHEAD``); 2, always after
 them; 1 repeated each bucket's directory in the second message."""
+
+PIECE_BYTES = 1 << 20
+"""In a group sent as pieces, a route of at least this many bytes is a piece of its own (sent
+from and received into the live tensors where they are contiguous); the smaller routes
+between two such travel together, staged (norms, biases: a message each would cost more than
+their bytes)."""
+
+PIECES_AREA_BYTES = 256 << 20
+"""A writer stages the pieces of its groups that are not live bytes in rooms of their own
+(then such a group needs no staging buffer) where they take at most this many bytes in all;
+otherwise each group sent as pieces takes a staging buffer."""
+
+PIECES_PER_POST = 8
+"""A group's pieces are posted this many at a time (one NCCL group each), the same on both
+sides: a post moves only once it is all posted, and a message each was slower (on 2 x H200,
+Llama-3-8B's tensors in groups of 8: 45.0 ms, a send each: 47.6)."""
 
 
 def group_aligned(n):
@@ -269,11 +304,67 @@ class Group:
     """Staging bytes the group's buckets need (every bucket's frames at :func:`capacity`)."""
     directories: int
     """The directories' bytes (the first message)."""
+    pieces: tuple[Piece, ...]
+    """Its messages after the directories when they say it travels as pieces (every bucket
+    plain): :func:`group_pieces`."""
 
     @classmethod
     def of(cls, ops: Sequence[BucketOp]) -> Group:
         end = group_layout([capacity(op) - directory_bytes(op) for op in ops])[1]
-        return cls(tuple(ops), group_aligned(end), sum(directory_bytes(op) for op in ops))
+        return cls(
+            tuple(ops),
+            group_aligned(end),
+            sum(directory_bytes(op) for op in ops),
+            group_pieces(ops),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Part of a group of plain buckets sent as pieces (:func:`group_pieces`): bytes
+    ``[at, at + nbytes)`` of the group's plain layout (:func:`group_layout` of its buckets'
+    bytes), holding ``routes``, each (bucket's place in the group, route in the bucket)."""
+
+    at: int
+    nbytes: int
+    routes: tuple[tuple[int, int], ...]
+
+
+def group_pieces(ops: Sequence[BucketOp]) -> tuple[Piece, ...]:
+    """A group of plain buckets (``ops``) as the messages it travels in when its first header
+    carries ``FLAG_PIECES``, the same on both sides: each route of at least
+    :data:`PIECE_BYTES` alone, the routes between two such together (with the padding between
+    them), every empty route left out. A piece of one route goes from and to the live
+    tensors where they hold it contiguous in the wire dtype, so that neither side copies it:
+    a window sent dense costs what a sync without codecs does."""
+    starts = group_layout([op.nbytes for op in ops])[0]
+    pieces: list[Piece] = []
+    small: list[tuple[int, int, int, int]] = []  # (k, i, start, end) not yet in a piece
+
+    def flush() -> None:
+        if small:
+            lo, hi = small[0][2], small[-1][3]
+            pieces.append(Piece(lo, hi - lo, tuple((k, i) for k, i, _, _ in small)))
+            small.clear()
+
+    for k, op in enumerate(ops):
+        for i, c in enumerate(op.copies):
+            if not c.nbytes:
+                continue
+            at = starts[k] + c.offset
+            if c.nbytes >= PIECE_BYTES:
+                flush()
+                pieces.append(Piece(at, c.nbytes, ((k, i),)))
+            else:
+                small.append((k, i, at, at + c.nbytes))
+    flush()
+    return tuple(pieces)
+
+
+def piece_posts(pieces: Sequence[Piece]) -> list[range]:
+    """The pieces of a group (their indices) in the posts both sides make of them."""
+    n = len(pieces)
+    return [range(a, min(a + PIECES_PER_POST, n)) for a in range(0, n, PIECES_PER_POST)]
 
 
 def next_groups(groups: Mapping[int, Sequence[BucketOp]]) -> dict[int, int]:
@@ -644,14 +735,17 @@ class _Layout:
     """With a Triton table, where every route's new values are live regions: the copies that
     bring the window's shadow up to date when it is sent dense (:func:`_byte_runs`); else
     None."""
+    pieces: dict[int, _PieceSources | None]
+    """Per group (its first bucket): where its pieces (:attr:`Group.pieces`) come from, where
+    every route's new values are live regions; else None."""
 
 
 class _Window:
     """One window of the current sync, from its compare pass until its last bucket is packed."""
 
     __slots__ = (
-        "dense", "encoded", "event", "guess", "launched", "lay", "meta", "scratch", "spans",
-        "state", "store", "work",
+        "dense", "encoded", "event", "guess", "launched", "lay", "meta", "pieces", "scratch",
+        "spans", "state", "store", "work",
     )  # fmt: skip
 
     def __init__(self, lay: _Layout, work: torch.Tensor, dense: bool, guess: bool) -> None:
@@ -680,6 +774,9 @@ class _Window:
         self.event: torch.cuda.Event | None = None
         """Recorded after its compare pass where that ran on the encoder's own stream, until
         the current stream waited for it."""
+        self.pieces: set[int] = set()
+        """Its groups (first buckets) sent as pieces (``FLAG_PIECES``): from the live
+        tensors, so their sends need not wait for the pass that updates the shadow."""
 
 
 class DeltaEncoder:
@@ -760,6 +857,28 @@ class DeltaEncoder:
         self._layouts: list[_Layout | None] = [None] * len(self._windows)
         for w in range(len(self._windows)):
             self._layout_of(w).table.warm()  # the tables and their kernels, at connect
+        # each group sent as pieces stages those that are not live bytes in a room of its own
+        # (norms, biases, strided regions), while they take at most PIECES_AREA_BYTES in all:
+        # such a group then needs no staging buffer
+        need = {
+            first: src.staged
+            for lay in self._layouts
+            if lay is not None
+            for first, src in lay.pieces.items()
+            if src is not None
+        }
+        total = sum(need.values())
+        self._rooms: dict[int, tuple[int, int]] = {}
+        if config.pieces and self._local and total <= PIECES_AREA_BYTES:
+            at = 0
+            for first, n in need.items():
+                self._rooms[first] = (at, n)
+                at += n
+        self.pieces_area = torch.empty(
+            total if self._rooms else 0, dtype=torch.uint8, device=self.device
+        )
+        """Where groups sent as pieces without a staging buffer stage the pieces that are not
+        live bytes (each group its room); sends read it."""
         self._decision: DeltaDecision | None = None
         self._dense: set[int] = set()
         """Windows every route of which went dense in the last sync: the next sync sends them
@@ -772,6 +891,8 @@ class DeltaEncoder:
         self._open: dict[int, _Window] = {}
         """Windows compared ahead, or analyzed with buckets not packed yet."""
         self._done: set[int] = set()
+        self._in_pieces: set[int] = set()
+        """This sync's buckets sent as pieces (:meth:`sent_live`)."""
 
     def shadow_of(self, op: BucketOp) -> torch.Tensor:
         base = self._buckets[op.bucket].base
@@ -782,6 +903,7 @@ class DeltaEncoder:
         self._decision = decision
         self._open.clear()
         self._done.clear()
+        self._in_pieces.clear()
         self._directories.clear()
         self._ahead.clear()
 
@@ -802,6 +924,7 @@ class DeltaEncoder:
         self._decision = None
         self._open.clear()
         self._done.clear()
+        self._in_pieces.clear()
         self._directories.clear()
         self._ahead.clear()
 
@@ -821,6 +944,30 @@ class DeltaEncoder:
         :class:`Group` (they travel together, :meth:`encode_group`); else None."""
         return self._group.get(op.bucket)
 
+    def unstaged(self, op: BucketOp) -> bool:
+        """Whether the group bucket ``op`` starts travels in this sync as pieces that need no
+        staging buffer (:meth:`encode_group` with ``buf`` None): its pieces that are not live
+        bytes fit in its room of :attr:`pieces_area`. Analyzes its window first (a window
+        sent dense needs no wait for the device), as :meth:`prepare` would. A writer that
+        takes a staging buffer for every group sends only as many groups ahead as it has
+        buffers; pieces leave from the live tensors, and on two GPUs at 50% changed the link
+        sat idle while the host issued the next pass's copies and posted its sends."""
+        if self._decision is None or op.bucket not in self._group:
+            return False
+        win = self._ready(self._window_of[op.bucket], self._decision)
+        src = win.lay.pieces.get(op.bucket)
+        return op.bucket in win.pieces and src is not None and self._room(op, src) is not None
+
+    def _room(self, op: BucketOp, src: _PieceSources) -> torch.Tensor | None:
+        """Group ``op``'s room for its staged pieces in :attr:`pieces_area`, where they fit."""
+        at, size = self._rooms.get(op.bucket, (0, -1))
+        return self.pieces_area[at : at + src.staged] if src.staged <= size else None
+
+    def sent_live(self, op: BucketOp) -> bool:
+        """Whether bucket ``op`` went out in this sync as part of a group's pieces: its wire
+        values are the live regions' (the shadow's copy of them may still be in progress)."""
+        return op.bucket in self._in_pieces
+
     @property
     def sends_shadow(self) -> bool:
         """Whether :meth:`encode_group` may return bytes of :attr:`shadow` to send (a shadow
@@ -828,38 +975,67 @@ class DeltaEncoder:
         return self._local
 
     @torch.no_grad()
-    def encode_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_group(
+        self, op: BucketOp, buf: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
         """Encode the group that bucket ``op`` starts (:meth:`group`), laid out as
         :func:`group_layout` says; return its directories (a host tensor, pinned on CUDA: the
-        message a reader takes first) and the group's second message: bytes of ``buf`` (at
-        least its :attr:`Group.capacity`), or of the shadow when every bucket of the group
-        is sent whole (then nothing is copied). Either stays untouched until the sync ends."""
+        message a reader takes first) and the messages that follow them, each (its piece's
+        index in :attr:`Group.pieces`, or -1 for the group's one second message; its bytes).
+        That second message is bytes of ``buf`` (at least its :attr:`Group.capacity`), or of
+        the shadow when every bucket of the group is sent whole (then nothing is copied);
+        none when nothing changed. A group of plain buckets whose routes are all live
+        regions travels as its pieces instead (``FLAG_PIECES``): live bytes, or staged ones,
+        in ``buf`` or, where ``buf`` is None (:meth:`unstaged`), in a room of the group's
+        own. Each stays untouched until the sync ends."""
         group = self.group(op)
         if group is None:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} does not start a group")
-        taken = [self._take(m) for m in group.ops]
+        w = self._window_of[op.bucket]
+        pieces = self._decision is not None and op.bucket in self._ready(w, self._decision).pieces
+        taken = [self._take(m, settle=not pieces) for m in group.ops]
         directories = self._directories.pop(op.bucket)
         win = taken[0][2]
         span = win.spans.pop(op.bucket)
+        if pieces:
+            # from the live tensors: the copies into the shadow run beside these sends
+            src = win.lay.pieces[op.bucket]
+            assert src is not None  # (as _analyze checked)
+            room = self._room(op, src) if buf is None else buf
+            if room is None:
+                raise RuntimeError(f"{self.name}: group {op.bucket} needs a buffer (unstaged)")
+            out = []
+            for j, piece in enumerate(group.pieces):
+                live = src.live[j]
+                if live is None:
+                    live = room[src.at[j] : src.at[j] + piece.nbytes]
+                    _copy_runs(live, src.runs[j])
+                out.append((j, live))
+            self._in_pieces.update(m.bucket for m in group.ops)
+            return directories, out
+        if buf is None:
+            raise RuntimeError(f"{self.name}: group {op.bucket} needs a buffer (unstaged)")
         if span is None:  # every bucket plain: their bytes as the shadow holds them
             first, last = taken[0][0], taken[-1][0]
             o = first.base - win.lay.base
             whole = win.work[o : last.base - win.lay.base + last.op.nbytes]
             if self._local:
-                return directories, whole
+                return directories, [(-1, whole)]
             n = whole.numel()
             buf[:n].copy_(whole)  # a host shadow's device copy: dropped with its window
-            return directories, buf[:n]
+            return directories, [(-1, buf[:n])]
         n = span[1] - span[0]
-        if n:  # (nothing changed: no frames)
-            assert win.store is not None
-            buf[:n].copy_(win.store[span[0] : span[1]])
-        return directories, buf[:n]
+        if not n:
+            return directories, []  # nothing changed: no frames, no second message
+        assert win.store is not None
+        buf[:n].copy_(win.store[span[0] : span[1]])
+        return directories, [(-1, buf[:n])]
 
     def prepare(self, op: BucketOp) -> None:
         """Analyze the window of bucket ``op`` now, unless done: its frames and the shadow
         are then computed on the device while the caller waits for a buffer to
-        :meth:`encode` into (which then only copies)."""
+        :meth:`encode` into (which then only copies). The current stream does not wait for
+        the window's pass here: groups sent as pieces never do."""
         if self._decision is not None and op.bucket not in self._done:
             self._ready(self._window_of[op.bucket], self._decision)
 
@@ -927,8 +1103,7 @@ class DeltaEncoder:
         return dense or guess, guess
 
     def _ready(self, w: int, decision: DeltaDecision) -> _Window:
-        """Window ``w``, compared and analyzed; what the current stream does next comes after
-        its compare pass."""
+        """Window ``w``, compared (or its pass launched) and analyzed."""
         win = self._open.get(w)
         if win is None:
             win = self._open[w] = self._open_window(w, decision)
@@ -936,12 +1111,15 @@ class DeltaEncoder:
             self._launch(w, win)
         if win.meta is None:
             self._analyze(w, win, decision)
+        return win
+
+    def _settle(self, win: _Window) -> None:
+        """What the current stream does next comes after the window's pass (a dense window
+        analyzed before it ran, or without waiting for it): the sends of its shadow."""
         if win.event is not None:
-            # a dense window analyzed before its compare pass ran, or without waiting for it
             torch.cuda.current_stream(self.device).wait_event(win.event)
             win.event = None
             win.scratch = win.state = None
-        return win
 
     # -- a window's routes, fixed at connect --------------------------------------------------
 
@@ -975,6 +1153,13 @@ class DeltaEncoder:
         group = np.zeros(len(bks), np.int64)
         for g, (_, members) in enumerate(groups):
             group[list(members)] = g
+        cut = np.cumsum([0, *per_bucket]).tolist()
+        pieces = {
+            first: _piece_sources(
+                self._group[first], [routes[cut[b] : cut[b + 1]] for b in members]
+            )
+            for first, members in groups
+        }
         isz = np.array([r[2] for r in routes], np.int64)
         numel = np.array([r[3] for r in routes], np.int64)
         heads = np.array([bk.head for bk in bks], np.int64)
@@ -1015,6 +1200,7 @@ class DeltaEncoder:
             template=b"".join(bk.template for bk in bks),
             table=table if table is not None else _TorchWindow(routes, self.device),
             copies=_byte_runs(routes) if table is not None else None,
+            pieces=pieces,
         )
         return lay
 
@@ -1140,9 +1326,15 @@ class DeltaEncoder:
         for first, members in lay.groups:
             parts = [meta[lay.meta_at[i] : lay.meta_at[i] + lay.bks[i].head] for i in members]
             joined = np.concatenate(parts)
+            flags = joined[8:12].view("<u4")  # the first header's
             if self._goes_ahead(first, w, decision):
                 self._ahead.add(first)
-                joined[8:12].view("<u4")[0] |= FLAG_AHEAD  # the first header's flags
+                flags[0] |= FLAG_AHEAD
+            pieces = self.config.pieces and self._local and lay.pieces[first] is not None
+            if pieces and win.spans[first] is None:
+                # every bucket plain and every route live: sent from the live tensors
+                win.pieces.add(first)
+                flags[0] |= FLAG_PIECES
             group = torch.from_numpy(joined)
             self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
 
@@ -1233,8 +1425,9 @@ class DeltaEncoder:
 
     # -- packing one bucket: copies only -------------------------------------------------------
 
-    def _take(self, op: BucketOp) -> tuple[_Bucket, tuple, _Window]:
-        """Bucket ``op``'s window, analyzed, and its place in it (once per bucket and sync)."""
+    def _take(self, op: BucketOp, settle: bool = True) -> tuple[_Bucket, tuple, _Window]:
+        """Bucket ``op``'s window, analyzed (with ``settle``, the current stream after its
+        pass), and its place in it (once per bucket and sync)."""
         if self._decision is None:
             raise RuntimeError(f"{self.name}: DeltaEncoder.begin(decision) before encode")
         if op.bucket in self._done:
@@ -1242,6 +1435,8 @@ class DeltaEncoder:
         self._done.add(op.bucket)
         w = self._window_of[op.bucket]
         win = self._ready(w, self._decision)
+        if settle:
+            self._settle(win)
         enc = win.encoded.pop(op.bucket)
         if not win.encoded:
             del self._open[w]
@@ -1301,6 +1496,47 @@ def _byte_runs(routes: Sequence[tuple]) -> tuple[tuple[int, torch.Tensor], ...] 
         else:
             runs.append(run)
     return tuple(runs)
+
+
+@dataclass(frozen=True, slots=True)
+class _PieceSources:
+    """Where a group's pieces come from on the writer (:func:`_piece_sources`)."""
+
+    live: tuple[torch.Tensor | None, ...]
+    """Per piece: its live bytes where they lie contiguous, as one byte run; else None (it
+    is staged)."""
+    runs: tuple[tuple, ...]
+    """Per piece: the copies that stage it (:func:`_byte_runs`, offsets from its start)."""
+    at: tuple[int, ...]
+    """Per piece: where it is staged (staged pieces one after the other, aligned)."""
+    staged: int
+    """The bytes its staged pieces take."""
+
+
+def _piece_sources(group: Group, routes: Sequence[Sequence[tuple]]) -> _PieceSources | None:
+    """Where the pieces of ``group`` (:attr:`Group.pieces`) come from on the writer, its
+    buckets' ``routes`` as :meth:`DeltaEncoder._layout_of` lists them; None where some
+    route's new values are computed (they exist only once the window's pass wrote them)."""
+    starts = group_layout([op.nbytes for op in group.ops])[0]
+    live, all_runs, ats, staged = [], [], [], 0
+    for piece in group.pieces:
+        mine = []
+        for k, i in piece.routes:
+            new, shape, width, numel, _, _ = routes[k][i]
+            if new is None:
+                return None
+            at = starts[k] + group.ops[k].copies[i].offset - piece.at
+            mine.append((new, shape, width, numel, 0, at))
+        runs = _byte_runs(mine)
+        assert runs is not None  # (every route is live)
+        src = runs[0][1] if len(runs) == 1 and runs[0][0] == 0 else None
+        whole = src is not None and src.is_contiguous() and src.numel() == piece.nbytes
+        live.append(src if whole else None)
+        all_runs.append(runs)
+        ats.append(staged)
+        if not whole:
+            staged = group_aligned(staged + piece.nbytes)
+    return _PieceSources(tuple(live), tuple(all_runs), tuple(ats), staged)
 
 
 def _copy_runs(work: torch.Tensor, runs: Sequence[tuple[int, torch.Tensor]]) -> None:
@@ -1482,6 +1718,10 @@ class DeltaDecoder:
                 logger.warning("%s: torch ops per route to apply deltas: %s", name, exc)
         self._targets: dict[tuple[int, int, int], tuple] = {}
         self._spans: dict[tuple[int, ...], _Span] = {}
+        self._landing: dict[tuple[int, ...], tuple] = {}
+        """Per group of buckets, once it travelled as pieces (:meth:`pieces`): its pieces,
+        per piece the live bytes it lands in or None (staged), and per route of its span
+        whether it lands in place."""
         self._read: dict[int, _Directories] = {}
         """Directories taken, by their first bucket, until applied."""
         self._unchecked = False
@@ -1624,6 +1864,13 @@ class DeltaDecoder:
         Kept for :meth:`decode_group`. Raises when the sizes do not add up."""
         span = self._span(ops)
         d = self._parse(span, raw)
+        if d.flags[0] & FLAG_PIECES and not (d.flags & FLAG_PLAIN).all():
+            k = int(np.flatnonzero((d.flags & FLAG_PLAIN) == 0)[0])
+            raise self._error(
+                ops[k],
+                "has frames, but its group travels as pieces (only plain buckets do): the two "
+                "sides run different weightbus versions",
+            )
         at, total = group_layout(d.frames.tolist())
         if total > buf.numel():
             raise self._error(
@@ -1633,6 +1880,46 @@ class DeltaDecoder:
             )
         self._keep(d, buf, at)
         return list(zip(ops, at, strict=True)), total
+
+    def pieces(self, ops: Sequence[BucketOp], buf: torch.Tensor) -> list[torch.Tensor] | None:
+        """After :meth:`take_group`: when the group's directories say it travels as pieces
+        (``FLAG_PIECES``, :func:`group_pieces`), where each piece lands: the live tensors'
+        bytes where the piece is all of a region that is contiguous in the wire dtype (then
+        nothing is copied), else its place in ``buf`` (:meth:`decode_group` copies it out);
+        None when the group travels as one message."""
+        d = self._read.get(ops[0].bucket)
+        if d is None:
+            raise RuntimeError(
+                f"{self.name}: the directories of bucket {ops[0].bucket} were not taken"
+            )
+        if not d.flags[0] & FLAG_PIECES:
+            return None
+        pieces, live, _ = self._landing_of(d.span)
+        return [
+            buf[p.at : p.at + p.nbytes] if v is None else v
+            for p, v in zip(pieces, live, strict=True)
+        ]
+
+    def _landing_of(self, span: _Span) -> tuple:
+        key = tuple(op.bucket for op in span.ops)
+        hit = self._landing.get(key)
+        if hit is not None:
+            return hit
+        pieces = group_pieces(span.ops)
+        live: list[torch.Tensor | None] = []
+        in_place = np.zeros(len(span.row), bool)
+        for p in pieces:
+            view = None
+            if len(p.routes) == 1:
+                k, i = p.routes[0]
+                c = span.ops[k].copies[i]
+                region = self._routes[span.ops[k].bucket].regions[i]
+                if region.dtype == c.dtype and region.is_contiguous():
+                    view = region.reshape(-1).view(torch.uint8)
+                    in_place[int(span.starts[k]) + i] = True
+            live.append(view)
+        hit = self._landing[key] = (pieces, tuple(live), in_place)
+        return hit
 
     def _target(self, op: BucketOp, i: int, unit: int) -> tuple:
         """Where route ``i``'s sparse values of ``unit`` bytes land: (flat view or None, unit
@@ -1700,12 +1987,15 @@ class DeltaDecoder:
                 f"is a delta against version {d.base[k]}, but this reader holds {held}: the "
                 "writer must send it dense (it does for a reader that missed a sync)",
             )
+        # a group sent as pieces: those that landed in place are done
+        skip = self._landing_of(span)[2] if d.flags[0] & FLAG_PIECES else None
         if self._table is not None:
-            self._apply(buf, d)
+            self._apply(buf, d, skip)
         else:
             self._check_indices(parts, buf, d)
             for k, (op, at) in enumerate(parts):
-                self._apply_torch(op, buf[at:], d, span.routes_of(k))
+                mine = span.routes_of(k)
+                self._apply_torch(op, buf[at:], d, mine, None if skip is None else skip[mine])
         for k in np.flatnonzero(d.flags & FLAG_CHECKSUM).tolist():
             op = span.ops[k]
             scratch = torch.zeros(op.nbytes, dtype=torch.uint8, device=buf.device)
@@ -1797,29 +2087,40 @@ class DeltaDecoder:
             "one must be dense",
         )
 
-    def _apply(self, buf: torch.Tensor, d: _Directories) -> None:
-        """Every frame of the buckets in one launch (per element size and addressing mode)."""
+    def _apply(self, buf: torch.Tensor, d: _Directories, skip: np.ndarray | None = None) -> None:
+        """Every frame of the buckets (but the routes ``skip`` marks) in one launch (per
+        element size and addressing mode)."""
         assert self._table is not None
         self._unchecked = True  # the launch's faults: read by check()
         span, sp = d.span, d.sparse
         at = np.array(d.at, np.int64)[span.bucket]
         ratio = np.where(sp, d.unit // span.isz, 1)
+        nelem = np.where(sp, d.count * ratio, span.nbytes // span.isz)
         self._table.apply(
             buf,
             route=span.row,
             values=at + np.where(sp, d.offset + _aligned(d.count * d.ix), d.offset),
-            nelem=np.where(sp, d.count * ratio, span.nbytes // span.isz),
+            nelem=nelem if skip is None else np.where(skip, 0, nelem),
             index=np.where(sp, at + d.offset, 0),
             ix=np.where(sp, d.ix, 0),
             lr=(ratio > 1).astype(np.int64) + (ratio > 2) + (ratio > 4),
         )
 
-    def _apply_torch(self, op: BucketOp, buf: torch.Tensor, d: _Directories, mine: slice) -> None:
+    def _apply_torch(
+        self,
+        op: BucketOp,
+        buf: torch.Tensor,
+        d: _Directories,
+        mine: slice,
+        skip: np.ndarray | None = None,
+    ) -> None:
         regions = self._routes[op.bucket].regions
         sparse, offset, count, ix, unit = (
             a[mine] for a in (d.sparse, d.offset, d.count, d.ix, d.unit)
         )
         for i, c in enumerate(op.copies):
+            if skip is not None and skip[i]:
+                continue  # (landed in place)
             off = int(offset[i])
             if not sparse[i]:
                 regions[i].copy_(buf[off : off + c.nbytes].view(c.dtype).view(c.shape))

@@ -80,6 +80,7 @@ __all__ = [
     "WriterCodec",
     "check_codec_layouts",
     "checked_tag",
+    "piece_tag",
     "rest_tag",
     "run_sync",
     "sent_ahead",
@@ -154,6 +155,14 @@ def rest_tag(op: BucketOp, num_buckets: int) -> int:
     ``op`` starts (its first, the directories, uses ``op.bucket``); ``num_buckets`` is the
     plan's bucket count."""
     return num_buckets + op.bucket
+
+
+def piece_tag(plan: TransferPlan, group: Group, j: int) -> int:
+    """The tag of piece ``j`` of a delta group sent as pieces (:attr:`Group.pieces`): after
+    the plan's bucket and second-message tags and :func:`checked_tag`, the plan's global
+    index of the piece's first route."""
+    k, i = group.pieces[j].routes[0]
+    return 2 * len(plan.buckets) + 1 + int(plan.buckets.first[group.ops[k].bucket]) + i
 
 
 def sent_ahead(plan: TransferPlan, codecs: CodecConfig) -> frozenset[int]:
@@ -369,15 +378,30 @@ class WriterCodec:
         :meth:`pack_group`); else None."""
         return self.encoder.group(op) if self.encoder is not None else None
 
-    def pack_group(self, op: BucketOp, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pack_group(
+        self, op: BucketOp, buf: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
         """Deltas: encode the group bucket ``op`` starts into ``buf``; return its directories
-        (host bytes, the first message) and its second message: bytes of ``buf``, or of the
-        shadow for a group of plain buckets (:meth:`send_buffers`)."""
+        (host bytes, the first message) and the messages after them, each (-1, or its
+        piece's index; its bytes): the group's second message, bytes of ``buf`` or of the
+        shadow for a group of plain buckets (:meth:`send_buffers`), or the group's pieces
+        (:meth:`~weightbus.codecs.delta.DeltaEncoder.encode_group`)."""
         if self._version is None or self.encoder is None:
             raise RuntimeError(
                 f"writer {self.name!r}: begin(version) with deltas before pack_group"
             )
         return self.encoder.encode_group(op, buf)
+
+    def unstaged(self, op: BucketOp) -> bool:
+        """Deltas: whether the group bucket ``op`` starts travels in this sync without a
+        staging buffer (:meth:`~weightbus.codecs.delta.DeltaEncoder.unstaged`): then
+        :meth:`pack_group` takes None for its buffer."""
+        return self.encoder is not None and self.encoder.unstaged(op)
+
+    def sent_live(self, op: BucketOp) -> bool:
+        """Deltas: whether bucket ``op`` went out in this sync from the live tensors (as part
+        of a group's pieces), so that its wire values are theirs, not yet the shadow's."""
+        return self.encoder is not None and self.encoder.sent_live(op)
 
     def queued(self, op: BucketOp) -> None:
         """Deltas: the group bucket ``op`` starts was handed to the transport (its next
@@ -387,10 +411,12 @@ class WriterCodec:
 
     def send_buffers(self) -> list[torch.Tensor]:
         """What sends may read besides the staging buffers and live tensors (for transports
-        that register memory): with deltas, a shadow on the writer's device."""
-        if self.encoder is None or not self.encoder.sends_shadow:
+        that register memory): with deltas, a shadow on the writer's device, and the rooms
+        of groups sent as pieces without a staging buffer."""
+        if self.encoder is None:
             return []
-        return [self.encoder.shadow]
+        area = [self.encoder.pieces_area] if self.encoder.pieces_area.numel() else []
+        return ([self.encoder.shadow] if self.encoder.sends_shadow else []) + area
 
     def group_capacities(self) -> list[int] | None:
         """Deltas: the staging bytes each group needs; None without deltas."""
@@ -597,6 +623,13 @@ class ReaderCodec:
         assert self.decoder is not None, "take_group is for delta buckets"
         return self.decoder.take_group(group.ops, raw, buf[: group.capacity])
 
+    def pieces(self, group: Group, buf: torch.Tensor) -> list[torch.Tensor] | None:
+        """Deltas, after :meth:`take_group`: when the group travels as pieces, where each of
+        :attr:`Group.pieces <weightbus.codecs.delta.Group.pieces>` lands (the live tensors, or
+        ``buf``); None when it travels as one message."""
+        assert self.decoder is not None, "pieces is for delta buckets"
+        return self.decoder.pieces(group.ops, buf[: group.capacity])
+
     @torch.no_grad()
     def unpack_group(self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor) -> None:
         """Deltas: apply a received group, each bucket ``(op, offset)`` in ``buf``."""
@@ -752,7 +785,7 @@ def run_sync(
             raise AssertionError(f"bucket {b}: writer and reader group the buckets differently")
         if group is None or members is None:
             continue
-        directories, sent = w.pack_group(wop, _random_bytes(group.capacity, w.device))
+        directories, messages = w.pack_group(wop, _random_bytes(group.capacity, w.device))
         raw = directories.numpy().tobytes()
         if b in ahead and ahead.pop(b) != raw:
             raise AssertionError(f"bucket {b}: the directories sent ahead differ")
@@ -773,13 +806,29 @@ def run_sync(
                 f"{expects.bucket if expects else None} ahead, the writer sends those of "
                 f"{nxt[0].bucket if nxt else None}"
             )
-        if n != sent.numel():
-            raise AssertionError(
-                f"bucket {b}: the directories say {n} bytes, {sent.numel()} were sent"
-            )
-        got[:n] = sent.to(r.device)
+        landing = r.pieces(members, got)
+        if landing is None:
+            sent = messages[0][1] if messages else got[:0]
+            if [j for j, _ in messages] not in ([], [-1]) or n != sent.numel():
+                raise AssertionError(
+                    f"bucket {b}: the directories say {n} bytes in one message, the writer "
+                    f"sent {[(j, m.numel()) for j, m in messages]}"
+                )
+            got[:n] = sent.to(r.device)
+            moved += n
+        else:
+            if [j for j, _ in messages] != list(range(len(landing))) or any(
+                m.numel() != t.numel() for (_, m), t in zip(messages, landing, strict=True)
+            ):
+                raise AssertionError(
+                    f"bucket {b}: the reader expects pieces of {[t.numel() for t in landing]} "
+                    f"bytes, the writer sent {[(j, m.numel()) for j, m in messages]}"
+                )
+            for (_, m), t in zip(messages, landing, strict=True):
+                t.copy_(m.to(r.device))
+                moved += m.numel()
         r.unpack_group(taken, got)
-        moved += len(raw) + n
+        moved += len(raw)
     for w in writers:
         w.end()
     present = [i for i in range(len(readers)) if i not in absent]
