@@ -541,6 +541,12 @@ def plain_groups_case(monkeypatch, impl: str, pieces: bool) -> None:
     for r in rcs:
         r.decoder = DeltaDecoder(r.ops, r.tensors, r.name, impl=impl)
     assert any(len({bk.op.peer for bk in win}) > 1 for w in wcs for win in w.encoder._windows)
+    for w in wcs:  # a group's staged pieces fit its plain layout, which a staging buffer holds
+        for lay in w.encoder._layouts:
+            for first, src in lay.pieces.items():
+                group = w.encoder._group[first]
+                plain = -(-group_layout([op.nbytes for op in group.ops])[1] // 16) * 16
+                assert src is None or src.staged <= plain <= group.capacity
     kinds: list[tuple[str, bool]] = []  # per group: how it went, whether a route is cast
     mixed = []  # groups with plain and framed buckets
     from_live = collections.Counter()  # pieces sent from live tensors / staged

@@ -736,8 +736,9 @@ class _Layout:
     bring the window's shadow up to date when it is sent dense (:func:`_byte_runs`); else
     None."""
     pieces: dict[int, _PieceSources | None]
-    """Per group (its first bucket): where its pieces (:attr:`Group.pieces`) come from, where
-    every route's new values are live regions; else None."""
+    """With :attr:`DeltaConfig.pieces`, per group (its first bucket): where its pieces
+    (:attr:`Group.pieces`) come from, where every route's new values are live regions; else
+    None."""
 
 
 class _Window:
@@ -1159,6 +1160,7 @@ class DeltaEncoder:
                 self._group[first], [routes[cut[b] : cut[b + 1]] for b in members]
             )
             for first, members in groups
+            if self.config.pieces
         }
         isz = np.array([r[2] for r in routes], np.int64)
         numel = np.array([r[3] for r in routes], np.int64)
@@ -1330,8 +1332,7 @@ class DeltaEncoder:
             if self._goes_ahead(first, w, decision):
                 self._ahead.add(first)
                 flags[0] |= FLAG_AHEAD
-            pieces = self.config.pieces and self._local and lay.pieces[first] is not None
-            if pieces and win.spans[first] is None:
+            if self._local and lay.pieces.get(first) is not None and win.spans[first] is None:
                 # every bucket plain and every route live: sent from the live tensors
                 win.pieces.add(first)
                 flags[0] |= FLAG_PIECES
@@ -1508,7 +1509,7 @@ class _PieceSources:
     runs: tuple[tuple, ...]
     """Per piece: the copies that stage it (:func:`_byte_runs`, offsets from its start)."""
     at: tuple[int, ...]
-    """Per piece: where it is staged (staged pieces one after the other, aligned)."""
+    """Per piece: where it is staged (staged pieces one after the other, 16-byte aligned)."""
     staged: int
     """The bytes its staged pieces take."""
 
@@ -1535,7 +1536,9 @@ def _piece_sources(group: Group, routes: Sequence[Sequence[tuple]]) -> _PieceSou
         all_runs.append(runs)
         ats.append(staged)
         if not whole:
-            staged = group_aligned(staged + piece.nbytes)
+            # 16 bytes apart, as routes are at least in their buckets: the staged pieces take
+            # no more than the group's plain layout (what a staging buffer holds)
+            staged = _align(staged + piece.nbytes)
     return _PieceSources(tuple(live), tuple(all_runs), tuple(ats), staged)
 
 

@@ -28,10 +28,10 @@ class EventPoller:
     Handles with the same peer complete in the order they were added (their operations run
     on one stream, each link's in posting order), so each round asks only the oldest pending
     handle of each peer, and each event once (a group of operations shares one): a round costs
-    a query per link, not per handle. Asking every handle made a round over the ~300 pieces
-    of a delta sync sent as pieces take about a millisecond, with the interpreter held all
-    the while, and the thread posting the sends waited for it after each operation that let
-    it go."""
+    a query per link, not per handle. Asking every handle made each round grow with the
+    handles in flight (~300 when a delta sync sends its groups as pieces); a profile of one
+    showed the poller's queries between the calls of the thread posting the sends, which
+    needs the interpreter the poller holds while it asks."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
