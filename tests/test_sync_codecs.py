@@ -547,12 +547,13 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
             )
             with Writer(bound, control, config) as w:
                 posted = _record_posts(w.transport, "send")
-                out = []
+                out, results = [], []
                 for v, _, _ in plan:
                     fill_from_canonical(layout, versions[v], bound.tensors)
                     ready.wait(30)  # (readers poison first)
-                    out.append(w.sync(v).bytes)
-                return out, posted
+                    results.append(w.sync(v))
+                    out.append(results[-1].bytes)
+                return out, posted, results
 
         return body
 
@@ -567,7 +568,7 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
             r = Reader(BoundLayout(layout=layout, tensors=tensors), control, config)
             r.connect()
             posted = _record_posts(r.transport, "recv")
-            wrong, counts = [], []
+            wrong, counts, results = [], [], []
             try:
                 for v, _, whole in plan:
                     if whole:  # every byte travels: a missed one fails
@@ -575,14 +576,14 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
                             poison(t)
                     before = len(landed)
                     ready.wait(30)
-                    r.wait()
+                    results.append(r.wait())
                     counts.append(len(landed) - before)
                     want = allocate(layout)
                     fill_from_canonical(layout, versions[v], want)
                     wrong += [(v, k) for k in want if not torch.equal(
                         tensors[k].view(torch.uint8), want[k].view(torch.uint8))]  # fmt: skip
                 in_place = np.concatenate([x[2] for x in r.codec.decoder._landing.values()])
-                return wrong, counts, in_place, posted, len(r.codec.group_starts())
+                return wrong, counts, in_place, posted, len(r.codec.group_starts()), results
             finally:
                 r.close()
 
@@ -594,7 +595,7 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
     for name, result in out.items():
         assert not isinstance(result, BaseException), (name, result)
     for r in range(n_r):
-        wrong, counts, in_place, posted, groups = out[f"reader-{r}"]
+        wrong, counts, in_place, posted, groups, _ = out[f"reader-{r}"]
         assert not wrong, wrong
         # every group as pieces where the sync is all pieces (the counts race with the other
         # reader's thread, so only each reader's own sum is exact)
@@ -607,6 +608,10 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
             assert sends and sends == recvs, (w, r)
             assert any(len(n) > 1 for n in sends)  # (pieces posted together)
     assert unstaged and set(unstaged) == {rooms}, unstaged
+    for name, result in out.items():  # each phase counted once: together within the sync
+        for res in result[-1]:
+            timed = sum(s for phase, s in res.phases.items() if phase != "plan")
+            assert timed <= res.seconds + 1e-3, (name, res.phases, res.seconds)
     sent = [a + b for a, b in zip(out["writer-0"][0], out["writer-1"][0], strict=True)]
     dense = sent[0]
     assert sent[1] < 0.2 * dense and sent[5] < 0.2 * dense, sent  # the sparse ones

@@ -160,6 +160,14 @@ class SyncResult:
         )
 
 
+def _phase(phases: dict[str, float], name: str, since: float) -> float:
+    """Add the time since ``since`` (a ``time.perf_counter()``) to phase ``name`` of a sync's
+    ``phases``; return now, the next phase's start."""
+    now = time.perf_counter()
+    phases[name] += now - since
+    return now
+
+
 class _Session:
     """Connect-time work common to :class:`~weightbus.Writer` and :class:`~weightbus.Reader`."""
 

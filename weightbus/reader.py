@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch
 
-from weightbus._session import SyncResult, _Deadline, _Session
+from weightbus._session import SyncResult, _Deadline, _phase, _Session
 from weightbus.codecs.delta import Group, piece_posts
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
@@ -276,9 +276,11 @@ class Reader(_Session):
                 if live is not None:
                     # contiguous regions of live tensors: received in place, no staging, a
                     # group from one peer posted at once
+                    t = time.perf_counter()
                     handles = transport.recv_many(
                         op.peer_global, [(region, o.bucket) for o, region in group]
                     )
+                    _phase(phases, "transfer", t)
                     direct += handles
                     for (o, _), handle in zip(group, handles, strict=True):
                         if verifier is not None and not self._queue_received(o, handle):
@@ -291,9 +293,11 @@ class Reader(_Session):
                         self._unpack_oldest(staged, tensors, phases, deadline, words, version)
                     )
                 buf = free.popleft()
+                t = time.perf_counter()
                 staged.append(
                     (transport.recv(op.peer_global, buf[: op.nbytes], op.bucket), op, buf)
                 )
+                _phase(phases, "transfer", t)
             if self.ahead and i == len(self.ahead):
                 words = self._recv_words()  # every bucket went ahead
             while staged:
@@ -541,15 +545,17 @@ class Reader(_Session):
         codec = self.codec
         assert codec is not None and self.transport is not None and self.plan is not None
         first = group.spec.ops[0]
+        # waiting and posting receives are transfer time, reading the directories unpack
         t = time.perf_counter()
         self.transport.wait([head], deadline.left())
-        phases["transfer"] += time.perf_counter() - t
+        t = _phase(phases, "transfer", t)
         raw = self._directory_at[first.bucket].cpu().numpy().tobytes()  # one copy a window
         group.parts, n = codec.take_group(group.spec, raw, group.buf)
         ahead = codec.ahead(first)
+        landing = codec.pieces(group.spec, group.buf)
+        t = _phase(phases, "unpack", t)
         if ahead is not None:
             heads[ahead.bucket] = self._recv_directories(ahead)
-        landing = codec.pieces(group.spec, group.buf)
         if landing is not None:  # in place where the live tensors allow, else staged
             n = 0
             for post in piece_posts(group.spec.pieces):
@@ -562,6 +568,7 @@ class Reader(_Session):
         nxt = codec.next_group(first)
         if nxt is not None and ahead is None:
             heads[nxt.bucket] = self._recv_directories(nxt)
+        _phase(phases, "transfer", t)
         return len(raw) + n
 
     def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> None:

@@ -8,7 +8,7 @@ from collections import deque
 
 import torch
 
-from weightbus._session import Progress, SyncResult, _Deadline, _Session
+from weightbus._session import Progress, SyncResult, _Deadline, _phase, _Session
 from weightbus.codecs.delta import piece_posts
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
@@ -130,9 +130,11 @@ class Writer(_Session):
                 if live is not None:
                     # contiguous regions of live tensors: sent in place, no staging, a group
                     # to one peer posted at once
+                    t = time.perf_counter()
                     direct += transport.send_many(
                         op.peer_global, [(region, o.bucket) for o, region in group]
                     )
+                    _phase(phases, "transfer", t)
                     posted = [
                         (o, region_views(o, tensors) if verifier is not None else None)
                         for o, _ in group
@@ -154,8 +156,9 @@ class Writer(_Session):
                     t = time.perf_counter()
                     view = buf[: op.nbytes]
                     self.copier.pack(op, tensors, view)
-                    phases["pack"] += time.perf_counter() - t
+                    t = _phase(phases, "pack", t)
                     staged.append((transport.send(op.peer_global, view, op.bucket), buf))
+                    _phase(phases, "transfer", t)
                     posted = [(op, buffer_views(op, view) if verifier is not None else None)]
                 for o, sums in posted:
                     if sums is not None:
@@ -257,11 +260,15 @@ class Writer(_Session):
             n, buf = 0, None
             if packed is not None:
                 buf, n = packed
+                t = time.perf_counter()
                 staged.append(([transport.send(op.peer_global, buf[:n], op.bucket)], buf))
+                _phase(phases, "transfer", t)
             elif live is not None:
                 if op.bucket not in self.ahead:
                     codec.check()  # FP8: non-finite weights raise before the first send
+                t = time.perf_counter()
                 direct.append(transport.send(op.peer_global, live, op.bucket))
+                _phase(phases, "transfer", t)
                 n = op.nbytes
             elif group is not None and self._unstaged(op, phases):
                 # deltas: a group sent as pieces from the live tensors (its staged ones in a
@@ -290,8 +297,9 @@ class Writer(_Session):
                     n = codec.pack(op, buf)
                     if op.bucket not in self.ahead:
                         codec.check()  # after the first pack was queued behind the amax pass
-                    phases["pack"] += time.perf_counter() - t
+                    t = _phase(phases, "pack", t)
                     handles = [transport.send(op.peer_global, buf[:n], op.bucket)]
+                    _phase(phases, "transfer", t)
                 else:
                     codec.check()
                     handles, n = self._send_group(op, buf, phases)
@@ -344,9 +352,10 @@ class Writer(_Session):
             done += op.nbytes
             if progress is not None:
                 progress(done, total)
-        codec.check()  # where nothing else was sent, the weights' fault is still this sync's
-        codec.end()
         t = time.perf_counter()
+        codec.check()  # where nothing else was sent, the weights' fault is still this sync's
+        codec.end()  # (deltas: reads the counts of the windows sent dense, after their copies)
+        t = _phase(phases, "pack", t)
         transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         self._directories = []
@@ -387,20 +396,23 @@ class Writer(_Session):
         receive while these buckets travel). Return the handles and the bytes sent."""
         assert self.transport is not None and self.codec is not None and self.plan is not None
         nb = len(self.plan.buckets)
+        # encoding is pack time, posting the sends (their directories' copies too) transfer
         t = time.perf_counter()
         # the rest: one message (in buf, or the shadow's) or the pieces (live, or in buf)
         directories, rest = self.codec.pack_group(op, buf)
+        t = _phase(phases, "pack", t)
         handles: list[Handle] = []
         if op.bucket in self._ahead:
             self._ahead.discard(op.bucket)  # sent with the previous group's buckets
         else:
             handles.append(self._send_directories(op, directories))
+        t = _phase(phases, "transfer", t)
         nxt = self.codec.ahead(op)
+        t = _phase(phases, "pack", t)
         if nxt is not None:
             handles.append(self._send_directories(*nxt))
             self._ahead.add(nxt[0].bucket)
-        phases["pack"] += time.perf_counter() - t
-        if rest and rest[0][0] < 0:  # (nothing changed in the group: no message at all)
+        if rest and rest[0][0] < 0:
             handles.append(self.transport.send(op.peer_global, rest[0][1], rest_tag(op, nb)))
         elif rest:
             group = self.codec.group(op)
@@ -409,9 +421,10 @@ class Writer(_Session):
                 handles += self.transport.send_many(
                     op.peer_global, [(rest[j][1], piece_tag(self.plan, group, j)) for j in post]
                 )
-        t = time.perf_counter()
+        # (no rest: nothing changed in the group, no second message)
+        t = _phase(phases, "transfer", t)
         self.codec.queued(op)
-        phases["pack"] += time.perf_counter() - t
+        _phase(phases, "pack", t)
         return handles, sum(h.nbytes for h in handles)
 
     def _send_directories(self, first: BucketOp, directories: torch.Tensor) -> Handle:
