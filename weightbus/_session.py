@@ -144,7 +144,8 @@ class SyncResult:
     """Wall time of the whole sync on this participant."""
     phases: dict[str, float]
     """Seconds per phase: plan (planning again for new members before the sync, elastic
-    membership; not part of ``seconds``), pack, transfer, unpack, control."""
+    membership; not part of ``seconds``), pack (packing and encoding), transfer (posting
+    sends and receives, and waiting for them), unpack (unpacking and decoding), control."""
 
     @property
     def gbps(self) -> float:
