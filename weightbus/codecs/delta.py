@@ -953,8 +953,8 @@ class DeltaEncoder:
         takes a staging buffer for every group sends only as many groups ahead as it has
         buffers; pieces leave from the live tensors, and on two GPUs at 50% changed the link
         sat idle while the host issued the next pass's copies and posted its sends."""
-        if self._decision is None or op.bucket not in self._group:
-            return False
+        if self._decision is None or op.bucket not in self._rooms:
+            return False  # (without pieces, or rooms, no group is: nothing analyzed here)
         win = self._ready(self._window_of[op.bucket], self._decision)
         src = win.lay.pieces.get(op.bucket)
         return op.bucket in win.pieces and src is not None and self._room(op, src) is not None
