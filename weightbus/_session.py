@@ -14,7 +14,7 @@ import torch
 
 from weightbus import metrics as _metrics
 from weightbus._green import amax_sms
-from weightbus.codecs.delta import DeltaConfig, group_aligned
+from weightbus.codecs.delta import DeltaConfig, group_aligned, piece_posts
 from weightbus.codecs.fp8 import Fp8Config
 from weightbus.control import status as _status
 from weightbus.control.store import MEMBERS, ControlConfig, ControlPlane, DictOf, Schema
@@ -26,7 +26,13 @@ from weightbus.errors import (
     WeightbusError,
 )
 from weightbus.plan import PlanOptions, TransferPlan, build_program, make_plan
-from weightbus.plan.codec_plan import CodecConfig, check_codec_layouts, sent_ahead, wire_layout
+from weightbus.plan.codec_plan import (
+    CodecConfig,
+    check_codec_layouts,
+    piece_tag,
+    sent_ahead,
+    wire_layout,
+)
 from weightbus.plan.program import BucketCopier, BucketOp, direct_view
 from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
 from weightbus.transports.base import Program, Transport, transport_class
@@ -205,6 +211,9 @@ class _Session:
         self._staging: list[torch.Tensor] = []
         self._directory_at: dict[int, torch.Tensor] = {}
         """Deltas: per group (its first bucket), where its directories travel from or land."""
+        self._piece_posts: dict[int, list[list[tuple[int, int]]]] = {}
+        """Deltas: per group (its first bucket), the posts of its pieces when it travels as
+        pieces, each its pieces' (index, tag), the same on both sides (fixed at connect)."""
         self.ahead: frozenset[int] = frozenset()
         """FP8: the buckets of this participant sent before the writers' check for non-finite
         weights (:func:`~weightbus.plan.codec_plan.sent_ahead`)."""
@@ -378,6 +387,12 @@ class _Session:
         self._directory_at = {
             op.bucket: area[a : a + g.directories]
             for (op, g), a in zip(starts, at.tolist(), strict=True)
+        }
+        self._piece_posts = {
+            op.bucket: [
+                [(j, piece_tag(plan, g, j)) for j in post] for post in piece_posts(g.pieces)
+            ]
+            for op, g in starts
         }
         # FP8 buckets sent ahead: per peer they go to or come from, the place of the word
         # whether the writer's weights were finite (the version, or -1)

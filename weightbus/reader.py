@@ -31,16 +31,10 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _phase, _Session
-from weightbus.codecs.delta import Group, piece_posts
+from weightbus.codecs.delta import Group
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
-from weightbus.plan.codec_plan import (
-    CodecConfig,
-    ReaderCodec,
-    checked_tag,
-    piece_tag,
-    rest_tag,
-)
+from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, checked_tag, rest_tag
 from weightbus.plan.program import BucketOp
 from weightbus.spec import BoundLayout
 from weightbus.transports.base import Handle
@@ -558,10 +552,10 @@ class Reader(_Session):
             heads[ahead.bucket] = self._recv_directories(ahead)
         if landing is not None:  # in place where the live tensors allow, else staged
             n = 0
-            for post in piece_posts(group.spec.pieces):
-                items = [(landing[j], piece_tag(self.plan, group.spec, j)) for j in post]
+            for post in self._piece_posts[first.bucket]:
+                items = [(landing[j], tag) for j, tag in post]
                 group.rest += self.transport.recv_many(first.peer_global, items)
-                n += sum(landing[j].numel() for j in post)
+                n += sum(landing[j].numel() for j, _ in post)
         elif n:  # (no frames, nothing changed: the writer sends no second message)
             tag = rest_tag(first, len(self.plan.buckets))
             group.rest = [self.transport.recv(first.peer_global, group.buf[:n], tag)]

@@ -9,11 +9,10 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _phase, _Session
-from weightbus.codecs.delta import piece_posts
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
-from weightbus.plan.codec_plan import CodecConfig, WriterCodec, checked_tag, piece_tag, rest_tag
+from weightbus.plan.codec_plan import CodecConfig, WriterCodec, checked_tag, rest_tag
 from weightbus.plan.program import BucketOp
 from weightbus.transports.base import Handle
 from weightbus.verify import RUN_BYTES, Verifier, buffer_views, post_writer, region_views, runs
@@ -415,11 +414,9 @@ class Writer(_Session):
         if rest and rest[0][0] < 0:
             handles.append(self.transport.send(op.peer_global, rest[0][1], rest_tag(op, nb)))
         elif rest:
-            group = self.codec.group(op)
-            assert group is not None
-            for post in piece_posts(group.pieces):
+            for post in self._piece_posts[op.bucket]:
                 handles += self.transport.send_many(
-                    op.peer_global, [(rest[j][1], piece_tag(self.plan, group, j)) for j in post]
+                    op.peer_global, [(rest[j][1], tag) for j, tag in post]
                 )
         # (no rest: nothing changed in the group, no second message)
         t = _phase(phases, "transfer", t)
