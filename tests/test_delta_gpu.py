@@ -294,7 +294,7 @@ def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> No
         q.put((role, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
 
-@pytest.mark.parametrize("shadow", ["device", "host"])
+@pytest.mark.parametrize("shadow", ["device", "host", "device, pieces"])
 def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeypatch):
     """Where every writer route of a window is a live region (no cast), the window's shadow
     is brought up to date by copies (of contiguous bytes, or of a strided region), not a
@@ -302,23 +302,40 @@ def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeyp
     dense, after a compare of a sample of its tiles where that was on a guess (every route
     went dense last time). Syncs stay bit exact through dense, 50%, 50% (on a guess), 1%
     (still on a guess; the sample sees few changes) and 1% (sparse again), with the shadow on
-    the GPU or in host memory (copied into a device window and back)."""
+    the GPU or in host memory (copied into a device window and back). With groups sent as
+    pieces (from the live tensors), a window's copies are launched only once its sends
+    were posted."""
     import tests.test_codec_delta as cases
     from weightbus.codecs.delta import DeltaEncoder
 
     monkeypatch.setenv("WEIGHTBUS_DELTA_TRITON", "1")
+    monkeypatch.setattr("weightbus.codecs.delta.PIECE_BYTES", 500)  # (small tensors here)
     bf16 = {t: (shape, "bfloat16") for t, (shape, _) in TENSORS.items()}
     for module in (cases, sys.modules[__name__]):  # the layouts' and the canonical tensors'
         monkeypatch.setattr(module, "TENSORS", bf16)
     copied = []
+    order: list[tuple[str, int, int]] = []  # ("packed" or "copied", writer, window)
     real = DeltaEncoder._copy
 
     def spy(self, w, win):
         copied.append((w, win.guess))
+        order.append(("copied", id(self), w))
         return real(self, w, win)
 
     monkeypatch.setattr(DeltaEncoder, "_copy", spy)
-    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000, shadow=shadow))
+    pack_group = WriterCodec.pack_group
+
+    def packed(self, op, buf):
+        out = pack_group(self, op, buf)  # (its messages, which run_sync sends next)
+        order.append(("packed", id(self.encoder), self.encoder._window_of[op.bucket]))
+        return out
+
+    monkeypatch.setattr(WriterCodec, "pack_group", packed)
+    pieces = shadow.endswith("pieces")
+    shadow = shadow.split(",")[0]
+    codecs = CodecConfig(
+        delta=DeltaConfig(checksum_every=0, window_bytes=3000, shadow=shadow, pieces=pieces)
+    )
     plan, ws, rs, canon, live, got, wcs, rcs = _start_on_cuda(codecs, cast={})
     layouts = [lay for w in wcs for lay in w.encoder._layouts]
     assert all(lay.copies is not None for lay in layouts)
@@ -337,8 +354,17 @@ def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeyp
                 for v in t.values():
                     poison(v)
         copied.clear()
+        order.clear()
         moved.append(run_sync(plan, wcs, rcs, step))
         guessed.append(sum(guess for _, guess in copied))
+        first: dict[tuple[str, int, int], int] = {}
+        for i, key in enumerate(order):
+            first.setdefault(key, i)
+        pairs = [(i, first[("packed", *k[1:])]) for k, i in first.items() if k[0] == "copied"]
+        assert bool(pairs) == bool(copied), order
+        # as pieces a window's copies are launched once its sends are posted; sent from the
+        # shadow, before
+        assert all(p < c if pieces else c < p for c, p in pairs), (step, order)
         cpu = [{n: v.cpu() for n, v in t.items()} for t in got]
         try:
             assert_exact(rs, cpu, canon)
