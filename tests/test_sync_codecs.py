@@ -482,8 +482,8 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
     straight into theirs (tensor parallel, fused qkv), the small ones staged: dense syncs,
     a sync where every route changed, then ones sent dense on a guess, and sparse ones
     between, bit exact after each (readers poisoned before every sync that is all pieces).
-    The writers stage small pieces in rooms of their own, without a staging buffer, or
-    (``rooms`` off: no room for them) in a staging buffer. The messages of a group on each
+    The writers stage small pieces in rooms of their own, without a staging buffer, and so
+    do the readers, or (``rooms`` off: no room for them) in a staging buffer. The messages of a group on each
     link are posted in the same groups and sizes on both sides, as NCCL needs."""
     from weightbus import BoundLayout, Participant, Reader, Writer
     from weightbus.codecs import DeltaConfig
@@ -512,12 +512,14 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
             flat[idx] = torch.randn(idx.numel(), generator=g)
         versions[v] = {n: x.to(torch.bfloat16) for n, x in canon.items()}
     landed: list[tuple[str, int]] = []  # (reader, pieces) per group that came as pieces
+    roomed: list[bool] = []  # per group that came as pieces: staged in its room?
     real = DeltaDecoder.pieces
 
     def pieces(self, ops, buf):
         out = real(self, ops, buf)
         if out is not None:
             landed.append((self.name, len(out)))
+            roomed.append(self._read[ops[0].bucket].room)
         return out
 
     monkeypatch.setattr(DeltaDecoder, "pieces", pieces)
@@ -608,6 +610,7 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
             assert sends and sends == recvs, (w, r)
             assert any(len(n) > 1 for n in sends)  # (pieces posted together)
     assert unstaged and set(unstaged) == {rooms}, unstaged
+    assert roomed and set(roomed) == {rooms}, roomed  # the readers' too
     for name, result in out.items():  # each phase counted once: together within the sync
         for res in result[-1]:
             timed = sum(s for phase, s in res.phases.items() if phase != "plan")

@@ -400,11 +400,14 @@ class _Session:
         self._passed_at = {peer: i for i, peer in enumerate(peers)}
         self._passed = torch.zeros(max(1, len(peers)), dtype=torch.int64, device=device)
         self.copier = BucketCopier()  # packs and unpacks them: one launch per bucket on CUDA
-        # deltas: plain groups are sent from the writer's shadow
-        shadow = self.codec.send_buffers() if self.role == "writer" and self.codec else []
-        self.transport.register(
-            self._staging + ([area] if starts else []) + shadow + [self._passed]
-        )
+        # deltas: plain groups are sent from the writer's shadow; groups sent as pieces stage
+        # some in rooms of their own
+        extra = []
+        if self.codec is not None:
+            extra = (
+                self.codec.send_buffers() if self.role == "writer" else self.codec.room_buffers()
+            )
+        self.transport.register(self._staging + ([area] if starts else []) + extra + [self._passed])
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(
             Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)

@@ -506,12 +506,17 @@ class Reader(_Session):
                 continue  # it comes with its group
             if op.bucket not in heads:  # the first group from its writer
                 heads[op.bucket] = self._recv_directories(op)
-            if not free:
-                group = pending.popleft()
+            raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
+            # a group sent as pieces whose staged ones have a room of their own takes no
+            # staging buffer: its receives are posted at once
+            room = codec.room(spec, raw)
+            while room is None and not free:
+                group = pending.popleft()  # (groups in rooms on the way are applied too)
                 self._decode_group(group, deadline, phases)
-                free.append(group.buf)
-            group = _Group(spec, free.popleft())
-            received += self._post_group(group, heads.pop(op.bucket), heads, deadline, phases)
+                if group.staged:
+                    free.append(group.buf)
+            group = _Group(spec, free.popleft() if room is None else room, staged=room is None)
+            received += self._post_group(group, raw, heads, phases)
             pending.append(group)
         while pending:
             self._decode_group(pending.popleft(), deadline, phases)
@@ -524,26 +529,32 @@ class Reader(_Session):
             first.peer_global, self._directory_at[first.bucket], first.bucket
         )
 
-    def _post_group(
-        self,
-        group: _Group,
-        head: Handle,
-        heads: dict[int, Handle],
-        deadline: _Deadline,
-        phases: dict[str, float],
-    ) -> int:
-        """Wait for a group's directories (``head``), read them, post the receive of its
-        buckets (one message, or its pieces where the directories say so) and that of the
-        next group's directories (into ``heads``) in the order the writer sends them; return
-        the group's bytes."""
-        codec = self.codec
-        assert codec is not None and self.transport is not None and self.plan is not None
-        first = group.spec.ops[0]
-        # waiting and posting receives are transfer time, reading the directories unpack
+    def _read_directories(
+        self, first: BucketOp, head: Handle, deadline: _Deadline, phases: dict[str, float]
+    ) -> bytes:
+        """Wait for the directories of the group bucket ``first`` starts (``head``) and read
+        them (one device-to-host copy a window)."""
+        assert self.transport is not None
+        # waiting is transfer time, reading the directories unpack
         t = time.perf_counter()
         self.transport.wait([head], deadline.left())
         t = _phase(phases, "transfer", t)
-        raw = self._directory_at[first.bucket].cpu().numpy().tobytes()  # one copy a window
+        raw = self._directory_at[first.bucket].cpu().numpy().tobytes()
+        _phase(phases, "unpack", t)
+        return raw
+
+    def _post_group(
+        self, group: _Group, raw: bytes, heads: dict[int, Handle], phases: dict[str, float]
+    ) -> int:
+        """Take a group's directories (``raw``), post the receive of its buckets (one
+        message, or its pieces where the directories say so) and that of the next group's
+        directories (into ``heads``) in the order the writer sends them; return the group's
+        bytes."""
+        codec = self.codec
+        assert codec is not None and self.transport is not None and self.plan is not None
+        first = group.spec.ops[0]
+        # reading the directories is unpack time, posting receives transfer
+        t = time.perf_counter()
         group.parts, n = codec.take_group(group.spec, raw, group.buf)
         ahead = codec.ahead(first)
         landing = codec.pieces(group.spec, group.buf)
@@ -584,10 +595,12 @@ class _Group:
     """A writer window's buckets to this reader being received: its staging buffer, then
     where each bucket lands there and the handles of their receives."""
 
-    __slots__ = ("buf", "parts", "rest", "spec")
+    __slots__ = ("buf", "parts", "rest", "spec", "staged")
 
-    def __init__(self, spec: Group, buf: torch.Tensor) -> None:
+    def __init__(self, spec: Group, buf: torch.Tensor, staged: bool = True) -> None:
         self.spec, self.buf = spec, buf
+        self.staged = staged
+        """Whether ``buf`` is a staging buffer (else the group's room, for its pieces)."""
         self.parts: list[tuple[BucketOp, int]] = []
         """Each bucket and where it starts in ``buf``, once the directories were read."""
         self.rest: list[Handle] = []

@@ -961,7 +961,13 @@ class DeltaEncoder:
         sat idle while the host issued the next pass's copies and posted its sends."""
         if self._decision is None or op.bucket not in self._rooms:
             return False  # (without pieces, or rooms, no group is: nothing analyzed here)
-        win = self._ready(self._window_of[op.bucket], self._decision)
+        w = self._window_of[op.bucket]
+        win = self._open.get(w)
+        if (win is None or win.meta is None) and not self._goes_dense(w, self._decision)[0]:
+            # its analysis waits for the device: not before a buffer is needed (should it go
+            # as pieces after all, they are staged in that buffer)
+            return False
+        win = self._ready(w, self._decision)
         src = win.lay.pieces.get(op.bucket)
         return op.bucket in win.pieces and src is not None and self._room(op, src) is not None
 
@@ -1685,6 +1691,9 @@ class _Directories:
     """The buffer the frames (will) land in (a later message there is another)."""
     at: tuple[int, ...] = ()
     """Per bucket: the byte its frames start at in that buffer."""
+    room: bool = False
+    """Whether that buffer is the group's room (:meth:`DeltaDecoder.room`): its staged
+    pieces lie there one after the other, not at their places in the group's layout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1759,6 +1768,13 @@ class DeltaDecoder:
         self._targets: dict[tuple[int, int, int], tuple] = {}
         self._spans: dict[tuple[int, ...], _Span] = {}
         self._landing: dict[tuple[int, ...], tuple] = {}
+        self._rooms: dict[tuple[int, ...], tuple[int, int, np.ndarray]] = {}
+        """Per group of buckets: its room in :attr:`pieces_area` (offset, bytes) and per
+        route of its span how far its bytes lie there from their place in the group's layout
+        (:meth:`expect`, :meth:`room`)."""
+        self.pieces_area = torch.empty(0, dtype=torch.uint8)
+        """Where groups that travel as pieces without a staging buffer land their staged
+        pieces (each group its room); receives write it."""
         """Per group of buckets, once it travelled as pieces (:meth:`pieces`): its pieces,
         per piece the live bytes it lands in or None (staged), and per route of its span
         whether it lands in place."""
@@ -1777,8 +1793,43 @@ class DeltaDecoder:
         """The groups whose directories will arrive together (each a window's buckets from
         one writer): their spans are laid out now, at connect, not in the first sync (a
         bucket read alone gets its span when it first comes)."""
-        for ops in groups:
-            self._span(ops)
+        spans = [self._span(ops) for ops in groups]
+        # where each group's staged pieces land when it travels as pieces: a room of its own,
+        # while they take at most PIECES_AREA_BYTES in all (then such a group takes no
+        # staging buffer)
+        rooms, total = {}, 0
+        for span in spans:
+            pieces, live, _ = self._landing_of(span)
+            shift = np.zeros(len(span.row), np.int64)
+            at = 0
+            for p, v in zip(pieces, live, strict=True):
+                if v is None:
+                    for k, i in p.routes:
+                        shift[int(span.starts[k]) + i] = at - p.at
+                    at = group_aligned(at + p.nbytes)  # (as aligned as in the layout)
+            rooms[tuple(op.bucket for op in span.ops)] = (total, at, shift)
+            total += at
+        if total > PIECES_AREA_BYTES:
+            return
+        self._rooms = rooms
+        device = self._table.device if self._table is not None else None
+        if device is None:
+            devices = {r.device for rt in self._routes.values() for r in rt.regions}
+            device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        self.pieces_area = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def room(self, ops: Sequence[BucketOp], raw: bytes) -> torch.Tensor | None:
+        """Where the staged pieces of a group (``ops``) land, when its directories (``raw``)
+        say it travels as pieces and it has a room of its own in :attr:`pieces_area` (set up
+        by :meth:`expect`): then it needs no staging buffer, and a reader posts its receives
+        as soon as it has its directories, not once an older group left a buffer (on two
+        H200s at 50% changed, a reader with two buffers posted each group's pieces just in
+        time and the link waited for it); else None."""
+        hit = self._rooms.get(tuple(op.bucket for op in ops))
+        if hit is None or len(raw) < 12 or not struct.unpack_from("<I", raw, 8)[0] & FLAG_PIECES:
+            return None
+        at, size, _ = hit
+        return self.pieces_area[at : at + size]
 
     def _span(self, ops: Sequence[BucketOp]) -> _Span:
         key = tuple(op.bucket for op in ops)
@@ -1912,7 +1963,10 @@ class DeltaDecoder:
                 "sides run different weightbus versions",
             )
         at, total = group_layout(d.frames.tolist())
-        if total > buf.numel():
+        room = self.room(ops, raw)
+        # (in its room, its staged pieces lie one after the other)
+        d.room = room is not None and room.data_ptr() == buf.data_ptr()
+        if not d.room and total > buf.numel():
             raise self._error(
                 ops[0],
                 f"a group of {len(ops)} buckets has {total} bytes of frames, the buffer holds "
@@ -1935,6 +1989,16 @@ class DeltaDecoder:
         if not d.flags[0] & FLAG_PIECES:
             return None
         pieces, live, _ = self._landing_of(d.span)
+        if d.room:  # the staged ones one after the other
+            shift = self._rooms[tuple(op.bucket for op in ops)][2]
+            out = []
+            for p, v in zip(pieces, live, strict=True):
+                if v is None:
+                    k, i = p.routes[0]
+                    at = p.at + int(shift[int(d.span.starts[k]) + i])
+                    v = buf[at : at + p.nbytes]
+                out.append(v)
+            return out
         return [
             buf[p.at : p.at + p.nbytes] if v is None else v
             for p, v in zip(pieces, live, strict=True)
@@ -2029,8 +2093,13 @@ class DeltaDecoder:
             )
         # a group sent as pieces: those that landed in place are done
         skip = self._landing_of(span)[2] if d.flags[0] & FLAG_PIECES else None
-        if self._table is not None:
-            self._apply(buf, d, skip)
+        shift = self._rooms[tuple(op.bucket for op in span.ops)][2] if d.room else None
+        if skip is not None and skip.all():
+            pass  # every route landed in place: nothing to apply
+        elif self._table is not None:
+            self._apply(buf, d, skip, shift)
+        elif shift is not None:
+            self._apply_room_torch(buf, d, skip, shift)
         else:
             self._check_indices(parts, buf, d)
             for k, (op, at) in enumerate(parts):
@@ -2127,9 +2196,16 @@ class DeltaDecoder:
             "one must be dense",
         )
 
-    def _apply(self, buf: torch.Tensor, d: _Directories, skip: np.ndarray | None = None) -> None:
+    def _apply(
+        self,
+        buf: torch.Tensor,
+        d: _Directories,
+        skip: np.ndarray | None = None,
+        shift: np.ndarray | None = None,
+    ) -> None:
         """Every frame of the buckets (but the routes ``skip`` marks) in one launch (per
-        element size and addressing mode)."""
+        element size and addressing mode); ``shift``: per route, how far its dense frame lies
+        from its place (a room's)."""
         assert self._table is not None
         self._unchecked = True  # the launch's faults: read by check()
         span, sp = d.span, d.sparse
@@ -2139,12 +2215,29 @@ class DeltaDecoder:
         self._table.apply(
             buf,
             route=span.row,
-            values=at + np.where(sp, d.offset + _aligned(d.count * d.ix), d.offset),
+            values=at
+            + np.where(sp, d.offset + _aligned(d.count * d.ix), d.offset)
+            + (0 if shift is None else shift),
             nelem=nelem if skip is None else np.where(skip, 0, nelem),
             index=np.where(sp, at + d.offset, 0),
             ix=np.where(sp, d.ix, 0),
             lr=(ratio > 1).astype(np.int64) + (ratio > 2) + (ratio > 4),
         )
+
+    def _apply_room_torch(
+        self, buf: torch.Tensor, d: _Directories, skip: np.ndarray | None, shift: np.ndarray
+    ) -> None:
+        """A group that travelled as pieces, its staged ones in its room (``buf``): copy each
+        route that did not land in place out of it (every frame is dense)."""
+        span = d.span
+        for k, op in enumerate(span.ops):
+            regions = self._routes[op.bucket].regions
+            for i, c in enumerate(op.copies):
+                r = int(span.starts[k]) + i
+                if skip is not None and skip[r]:
+                    continue
+                at = d.at[k] + int(d.offset[r]) + int(shift[r])
+                regions[i].copy_(buf[at : at + c.nbytes].view(c.dtype).view(c.shape))
 
     def _apply_torch(
         self,

@@ -617,11 +617,26 @@ class ReaderCodec:
         self, group: Group, raw: bytes, buf: torch.Tensor
     ) -> tuple[list[tuple[BucketOp, int]], int]:
         """Deltas: a group's directories (``raw``, the group's first message) for the group
-        that lands in its staging buffer ``buf``: each bucket and where its frames start
+        that lands in its staging buffer ``buf`` (or its :meth:`room`): each bucket and where
+        its frames start
         there, and the bytes of the group's second message. Raises when the sizes do not add
         up."""
         assert self.decoder is not None, "take_group is for delta buckets"
         return self.decoder.take_group(group.ops, raw, buf[: group.capacity])
+
+    def room(self, group: Group, raw: bytes) -> torch.Tensor | None:
+        """Deltas: where a group's staged pieces land when its directories (``raw``) say it
+        travels as pieces and it has a room of its own: then it takes no staging buffer
+        (:meth:`~weightbus.codecs.delta.DeltaDecoder.room`); else None."""
+        assert self.decoder is not None, "room is for delta buckets"
+        return self.decoder.room(group.ops, raw)
+
+    def room_buffers(self) -> list[torch.Tensor]:
+        """Deltas: what receives may write besides the staging buffers and live tensors (for
+        transports that register memory): the rooms of groups sent as pieces."""
+        if self.decoder is None or not self.decoder.pieces_area.numel():
+            return []
+        return [self.decoder.pieces_area]
 
     def pieces(self, group: Group, buf: torch.Tensor) -> list[torch.Tensor] | None:
         """Deltas, after :meth:`take_group`: when the group travels as pieces, where each of
@@ -795,7 +810,13 @@ def run_sync(
         w.queued(wop)  # (as a Writer does once the group's sends are posted)
         if ri in absent:
             continue
-        got = _random_bytes(members.capacity, r.device)
+        # a group sent as pieces lands its staged ones in its room, if it has one (random
+        # bytes there too: a missed one fails)
+        room = r.room(members, raw)
+        if room is None:
+            got = _random_bytes(members.capacity, r.device)
+        else:
+            got = room.copy_(_random_bytes(room.numel(), r.device))
         taken, n = r.take_group(members, raw, got)
         expects = r.ahead(rop)
         if (expects is None) != (nxt is None) or (
