@@ -83,7 +83,8 @@ buckets, most of a sync with 1% of the elements changed. With :attr:`DeltaConfig
 group of plain buckets whose routes are all live regions on the writer travels, when its first
 header has flag 8 (``FLAG_PIECES``), as its pieces instead of its second message
 (:func:`group_pieces`, the same on both sides): each from the writer's tensors where it lies
-contiguous there, each into the reader's where it does there, the others staged.
+contiguous there, each into the reader's where it does there, the others staged (in rooms
+of their own where they fit, so that such a group takes no staging buffer on either side).
 
 When the writer sends dense (:class:`DeltaPolicy`): the first sync (nothing sent before),
 to a reader whose acknowledged version is not the one the shadow holds (it missed a sync or
@@ -183,12 +184,14 @@ class DeltaConfig:
     changed enough) whose routes are all live regions travels as its pieces
     (:func:`group_pieces`): from the writer's tensors and, where the reader's regions are
     contiguous in the wire dtype, straight into them; nothing is copied into or out of a
-    staging buffer, and the copies that update the shadow run beside the sends. Writer-side
-    only (readers take either). Off by default: on two H200s (Llama-3-8B, 50% of the
-    elements changed every sync) syncs took 53-54 ms with it, against 49-50 ms without,
-    although the readers' copying out of staging fell from 7-9 to 2-3 ms of their sync. A
-    profile on two H100s had the link idle, a few times a pass, while the writer's host
-    issued the pass's copies and posted its sends; see docs/history.md."""
+    staging buffer (the pieces that are not contiguous go through small rooms of their
+    own on both sides), and the copies that update the shadow run once the sends are posted,
+    beside them. Writer-side only (readers take either). Off by default: on two H100s
+    (Llama-3-8B, 50% of the elements changed every sync) syncs took 55.6 ms with it against
+    52.4 without (on two H200s, before the readers' rooms: 53.9 against 51.2). A profile
+    shows the link busy throughout, but the NCCL kernels slower than without codecs while
+    the shadow's copies run beside them (53 against 46 ms of kernels; syncs of 50.4 ms with
+    the copies left out, a test only); see docs/history.md."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
