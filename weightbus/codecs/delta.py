@@ -1771,6 +1771,9 @@ class DeltaDecoder:
         self._targets: dict[tuple[int, int, int], tuple] = {}
         self._spans: dict[tuple[int, ...], _Span] = {}
         self._landing: dict[tuple[int, ...], tuple] = {}
+        """Per group of buckets (those expected at connect, :meth:`expect`, others once they
+        come as pieces): its pieces, per piece the live bytes it lands in or None (staged),
+        and per route of its span whether it lands in place."""
         self._rooms: dict[tuple[int, ...], tuple[int, int, np.ndarray]] = {}
         """Per group of buckets: its room in :attr:`pieces_area` (offset, bytes) and per
         route of its span how far its bytes lie there from their place in the group's layout
@@ -1778,9 +1781,6 @@ class DeltaDecoder:
         self.pieces_area = torch.empty(0, dtype=torch.uint8)
         """Where groups that travel as pieces without a staging buffer land their staged
         pieces (each group its room); receives write it."""
-        """Per group of buckets, once it travelled as pieces (:meth:`pieces`): its pieces,
-        per piece the live bytes it lands in or None (staged), and per route of its span
-        whether it lands in place."""
         self._read: dict[int, _Directories] = {}
         """Directories taken, by their first bucket, until applied."""
         self._unchecked = False
