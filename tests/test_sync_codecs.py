@@ -483,8 +483,9 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
     a sync where every route changed, then ones sent dense on a guess, and sparse ones
     between, bit exact after each (readers poisoned before every sync that is all pieces).
     The writers stage small pieces in rooms of their own, without a staging buffer, and so
-    do the readers, or (``rooms`` off: no room for them) in a staging buffer. The messages of a group on each
-    link are posted in the same groups and sizes on both sides, as NCCL needs."""
+    do the readers, or (``rooms`` off: no room for them) in a staging buffer. The messages
+    of a group on each link are posted in the same groups and sizes on both sides, as NCCL
+    needs."""
     from weightbus import BoundLayout, Participant, Reader, Writer
     from weightbus.codecs import DeltaConfig
     from weightbus.codecs.delta import DeltaDecoder, DeltaEncoder

@@ -491,7 +491,9 @@ class Reader(_Session):
         directories say so, before them: the receive of a group's buckets is then posted
         while the previous group's travel, with no wait in between. Messages with one writer
         are posted in the order it sends them (NCCL matches by order alone); groups from other
-        writers overlap meanwhile.
+        writers overlap meanwhile. A group sent as pieces whose staged pieces have a room of
+        their own takes no staging buffer: its receives are posted as soon as its directories
+        are read.
         """
         codec = self.codec
         assert codec is not None
