@@ -366,7 +366,7 @@ class Writer(_Session):
         assert self.codec is not None
         t = time.perf_counter()
         unstaged = self.codec.unstaged(op)
-        phases["pack"] += time.perf_counter() - t
+        _phase(phases, "pack", t)
         return unstaged
 
     def _send_passed(self, version: int, finite: torch.Tensor, handles: list[Handle]) -> None:

@@ -1694,9 +1694,23 @@ class _Directories:
     """The buffer the frames (will) land in (a later message there is another)."""
     at: tuple[int, ...] = ()
     """Per bucket: the byte its frames start at in that buffer."""
-    room: bool = False
-    """Whether that buffer is the group's room (:meth:`DeltaDecoder.room`): its staged
-    pieces lie there one after the other, not at their places in the group's layout."""
+    room: _Room | None = None
+    """Where that buffer is the group's room (:meth:`DeltaDecoder.room`): how its staged
+    pieces lie there, one after the other, not at their places in the group's layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """Where a group sent as pieces lands its staged pieces on a reader (fixed at connect,
+    :meth:`DeltaDecoder.expect`): ``nbytes`` of :attr:`DeltaDecoder.pieces_area` from ``at``."""
+
+    at: int
+    nbytes: int
+    shift: np.ndarray
+    """Per route of the group's span: how far its bytes lie in the room from their place in
+    the group's layout (0 for those that land in place)."""
+    pieces: tuple[int, ...]
+    """Per piece: where it lies in the room (-1: it lands in place)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1774,10 +1788,9 @@ class DeltaDecoder:
         """Per group of buckets (those expected at connect, :meth:`expect`, others once they
         come as pieces): its pieces, per piece the live bytes it lands in or None (staged),
         and per route of its span whether it lands in place."""
-        self._rooms: dict[tuple[int, ...], tuple[int, int, np.ndarray]] = {}
-        """Per group of buckets: its room in :attr:`pieces_area` (offset, bytes) and per
-        route of its span how far its bytes lie there from their place in the group's layout
-        (:meth:`expect`, :meth:`room`)."""
+        self._rooms: dict[tuple[int, ...], _Room] = {}
+        """Per group of buckets: its room in :attr:`pieces_area` (:meth:`expect`,
+        :meth:`room`)."""
         self.pieces_area = torch.empty(0, dtype=torch.uint8)
         """Where groups that travel as pieces without a staging buffer land their staged
         pieces (each group its room); receives write it."""
@@ -1804,13 +1817,14 @@ class DeltaDecoder:
         for span in spans:
             pieces, live, _ = self._landing_of(span)
             shift = np.zeros(len(span.row), np.int64)
-            at = 0
+            places, at = [], 0
             for p, v in zip(pieces, live, strict=True):
+                places.append(-1 if v is not None else at)
                 if v is None:
                     for k, i in p.routes:
                         shift[int(span.starts[k]) + i] = at - p.at
                     at = group_aligned(at + p.nbytes)  # (as aligned as in the layout)
-            rooms[tuple(op.bucket for op in span.ops)] = (total, at, shift)
+            rooms[tuple(op.bucket for op in span.ops)] = _Room(total, at, shift, tuple(places))
             total += at
         if total > PIECES_AREA_BYTES:
             return
@@ -1831,8 +1845,18 @@ class DeltaDecoder:
         hit = self._rooms.get(tuple(op.bucket for op in ops))
         if hit is None or len(raw) < 12 or not struct.unpack_from("<I", raw, 8)[0] & FLAG_PIECES:
             return None
-        at, size, _ = hit
-        return self.pieces_area[at : at + size]
+        return self.pieces_area[hit.at : hit.at + hit.nbytes]
+
+    def _in_room(self, ops: Sequence[BucketOp], d: _Directories, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` is the room (:meth:`room`) of the group ``d`` describes; keeps it."""
+        room = self._rooms.get(tuple(op.bucket for op in ops)) if d.flags[0] & FLAG_PIECES else None
+        if room is None:
+            return False
+        # (compared as room() cut it: an empty room's address is the slicing's)
+        if self.pieces_area[room.at : room.at + room.nbytes].data_ptr() != buf.data_ptr():
+            return False
+        d.room = room
+        return True
 
     def _span(self, ops: Sequence[BucketOp]) -> _Span:
         key = tuple(op.bucket for op in ops)
@@ -1966,10 +1990,8 @@ class DeltaDecoder:
                 "sides run different weightbus versions",
             )
         at, total = group_layout(d.frames.tolist())
-        room = self.room(ops, raw)
         # (in its room, its staged pieces lie one after the other)
-        d.room = room is not None and room.data_ptr() == buf.data_ptr()
-        if not d.room and total > buf.numel():
+        if not self._in_room(ops, d, buf) and total > buf.numel():
             raise self._error(
                 ops[0],
                 f"a group of {len(ops)} buckets has {total} bytes of frames, the buffer holds "
@@ -1992,19 +2014,10 @@ class DeltaDecoder:
         if not d.flags[0] & FLAG_PIECES:
             return None
         pieces, live, _ = self._landing_of(d.span)
-        if d.room:  # the staged ones one after the other
-            shift = self._rooms[tuple(op.bucket for op in ops)][2]
-            out = []
-            for p, v in zip(pieces, live, strict=True):
-                if v is None:
-                    k, i = p.routes[0]
-                    at = p.at + int(shift[int(d.span.starts[k]) + i])
-                    v = buf[at : at + p.nbytes]
-                out.append(v)
-            return out
+        places = d.room.pieces if d.room is not None else [p.at for p in pieces]
         return [
-            buf[p.at : p.at + p.nbytes] if v is None else v
-            for p, v in zip(pieces, live, strict=True)
+            buf[at : at + p.nbytes] if v is None else v
+            for p, v, at in zip(pieces, live, places, strict=True)
         ]
 
     def _landing_of(self, span: _Span) -> tuple:
@@ -2096,18 +2109,18 @@ class DeltaDecoder:
             )
         # a group sent as pieces: those that landed in place are done
         skip = self._landing_of(span)[2] if d.flags[0] & FLAG_PIECES else None
-        shift = self._rooms[tuple(op.bucket for op in span.ops)][2] if d.room else None
+        shift = d.room.shift if d.room is not None else np.zeros(len(span.row), np.int64)
         if skip is not None and skip.all():
             pass  # every route landed in place: nothing to apply
         elif self._table is not None:
             self._apply(buf, d, skip, shift)
-        elif shift is not None:
-            self._apply_room_torch(buf, d, skip, shift)
         else:
             self._check_indices(parts, buf, d)
             for k, (op, at) in enumerate(parts):
                 mine = span.routes_of(k)
-                self._apply_torch(op, buf[at:], d, mine, None if skip is None else skip[mine])
+                self._apply_torch(
+                    op, buf, at + shift[mine], d, mine, None if skip is None else skip[mine]
+                )
         for k in np.flatnonzero(d.flags & FLAG_CHECKSUM).tolist():
             op = span.ops[k]
             scratch = torch.zeros(op.nbytes, dtype=torch.uint8, device=buf.device)
@@ -2203,12 +2216,12 @@ class DeltaDecoder:
         self,
         buf: torch.Tensor,
         d: _Directories,
-        skip: np.ndarray | None = None,
-        shift: np.ndarray | None = None,
+        skip: np.ndarray | None,
+        shift: np.ndarray,
     ) -> None:
         """Every frame of the buckets (but the routes ``skip`` marks) in one launch (per
-        element size and addressing mode); ``shift``: per route, how far its dense frame lies
-        from its place (a room's)."""
+        element size and addressing mode); ``shift``: per route, how far its frame lies from
+        its place (in a room, :class:`_Room`; else 0)."""
         assert self._table is not None
         self._unchecked = True  # the launch's faults: read by check()
         span, sp = d.span, d.sparse
@@ -2218,38 +2231,25 @@ class DeltaDecoder:
         self._table.apply(
             buf,
             route=span.row,
-            values=at
-            + np.where(sp, d.offset + _aligned(d.count * d.ix), d.offset)
-            + (0 if shift is None else shift),
+            values=at + shift + np.where(sp, d.offset + _aligned(d.count * d.ix), d.offset),
             nelem=nelem if skip is None else np.where(skip, 0, nelem),
             index=np.where(sp, at + d.offset, 0),
             ix=np.where(sp, d.ix, 0),
             lr=(ratio > 1).astype(np.int64) + (ratio > 2) + (ratio > 4),
         )
 
-    def _apply_room_torch(
-        self, buf: torch.Tensor, d: _Directories, skip: np.ndarray | None, shift: np.ndarray
-    ) -> None:
-        """A group that travelled as pieces, its staged ones in its room (``buf``): copy each
-        route that did not land in place out of it (every frame is dense)."""
-        span = d.span
-        for k, op in enumerate(span.ops):
-            regions = self._routes[op.bucket].regions
-            for i, c in enumerate(op.copies):
-                r = int(span.starts[k]) + i
-                if skip is not None and skip[r]:
-                    continue
-                at = d.at[k] + int(d.offset[r]) + int(shift[r])
-                regions[i].copy_(buf[at : at + c.nbytes].view(c.dtype).view(c.shape))
-
     def _apply_torch(
         self,
         op: BucketOp,
         buf: torch.Tensor,
+        base: np.ndarray,
         d: _Directories,
         mine: slice,
         skip: np.ndarray | None = None,
     ) -> None:
+        """Bucket ``op``'s frames (its routes ``mine`` of the span), route ``i``'s at byte
+        ``base[i]`` of ``buf`` plus its offset (the bucket's start, shifted in a room), but
+        the routes ``skip`` marks."""
         regions = self._routes[op.bucket].regions
         sparse, offset, count, ix, unit = (
             a[mine] for a in (d.sparse, d.offset, d.count, d.ix, d.unit)
@@ -2257,7 +2257,7 @@ class DeltaDecoder:
         for i, c in enumerate(op.copies):
             if skip is not None and skip[i]:
                 continue  # (landed in place)
-            off = int(offset[i])
+            off = int(base[i]) + int(offset[i])
             if not sparse[i]:
                 regions[i].copy_(buf[off : off + c.nbytes].view(c.dtype).view(c.shape))
                 continue
