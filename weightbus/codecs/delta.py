@@ -1333,8 +1333,8 @@ class DeltaEncoder:
                 # sent from the live tensors, and compared only on the sample's tiles while
                 # it goes dense on a guess: the rest of the shadow is copied once it stops
                 # (_goes_dense), not in every such sync. The copies, 16 GB read and written
-                # beside the sends for Llama-3-8B, slowed NCCL's kernels: on two H100s syncs
-                # at 50% changed took 56.4 ms with them and 50.4 without
+                # beside the sends for Llama-3-8B, slowed NCCL's kernels: on two H100s, at
+                # 50% changed, syncs took 55.5-56.0 ms with them and 49.0 without
                 self._stale.add(w)
             else:
                 _copy_runs(win.work, copies)
