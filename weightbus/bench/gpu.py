@@ -359,13 +359,13 @@ def _scenario_codecs(
     fp8_bucket_mb: int | None = None,
     window_mb: int | None = None,
     windows_per_pass: int | None = None,
-    pieces: bool = False,
+    pieces: bool | None = None,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
     defaults Fp8Config's), S7 deltas (checksums only on request; windows of ``window_mb``
     MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's; ``pieces``:
-    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`)."""
+    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, None: its default)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
@@ -377,7 +377,9 @@ def _scenario_codecs(
         window = {} if window_mb is None else {"window_bytes": window_mb << 20}
         if windows_per_pass is not None:
             window["windows_per_pass"] = windows_per_pass
-        return {"delta": DeltaConfig(checksum_every=0, pieces=pieces, **window)}
+        if pieces is not None:
+            window["pieces"] = pieces
+        return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
 
 
@@ -883,9 +885,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--pieces",
-        action="store_true",
-        help="S7: groups of plain buckets travel as pieces, from and into the live tensors "
-        "(DeltaConfig.pieces; off by default)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="S7: groups of plain buckets travel as pieces, from and into the live tensors, "
+        "or not (default: DeltaConfig.pieces, on)",
     )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")

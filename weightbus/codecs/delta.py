@@ -179,19 +179,19 @@ class DeltaConfig:
     per pass (the wait, the frames' layout, the launches) is about fixed, so on a GPU with 1
     GiB windows one window a pass left the writer waiting on its own host. The first window
     goes alone, as nothing is sent before its pass is done. Writer-side only."""
-    pieces: bool = False
+    pieces: bool = True
     """Whether a group of plain buckets (every route dense: a dense sync, or a window that
     changed enough) whose routes are all live regions travels as its pieces
     (:func:`group_pieces`): from the writer's tensors and, where the reader's regions are
     contiguous in the wire dtype, straight into them; nothing is copied into or out of a
-    staging buffer (the pieces that are not contiguous go through small rooms of their
-    own on both sides), and the copies that update the shadow run once the sends are posted,
-    beside them. Writer-side only (readers take either). Off by default: on two H100s
-    (Llama-3-8B, 50% of the elements changed every sync) syncs took 55.6 ms with it against
-    52.4 without (on two H200s, before the readers' rooms: 53.9 against 51.2). A profile
-    shows the link busy throughout, but the NCCL kernels slower than without codecs while
-    the shadow's copies run beside them (53 against 46 ms of kernels; syncs of 50.4 ms with
-    the copies left out, a test only); see docs/history.md."""
+    staging buffer (the pieces that are not contiguous go through small rooms of their own
+    on both sides). With the shadow on the writer's GPU, such a window's copies into the
+    shadow run once its sends are posted, and while it goes dense on a guess only its
+    sample's tiles are brought up to date (it goes dense once more, copied whole, before it
+    is compared again). Writer-side only (readers take either). On two H100s (Llama-3-8B,
+    50% of the elements changed every sync): 49.0-49.9 ms with it, 52.4 without, S1 46.1-46.8
+    (the copies whole beside the sends had slowed NCCL's kernels: 55.5-56.0); see
+    docs/history.md."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
