@@ -38,7 +38,9 @@ own, and a window every route of which went dense is sent dense in the next sync
 waiting for its counts or an emit pass: it is copied into the shadow (the copy engines for
 contiguous live bytes, leaving the SMs to the sends) after a compare of every 16th tile of
 each of its routes counts its changes, so that it is compared again once some route would go
-sparse; on the torch path, or where some route is computed (FP8, a cast), its compare pass
+sparse (when its groups travel as pieces, from the live tensors, only the sample's tiles of
+the shadow are brought up to date, and the window goes dense once more, copied whole, before
+it is compared: the copies beside the sends slowed NCCL's kernels); on the torch path, or where some route is computed (FP8, a cast), its compare pass
 does both, queued after the previous window's sends, which a compare grid queued first would
 hold back. Readers apply a window's group of buckets with a launch or two (per element
 size): a copy of the dense frames that go to contiguous regions, and one that writes the
@@ -1121,7 +1123,9 @@ class DeltaEncoder:
 
     def _goes_dense(self, w: int, decision: DeltaDecision) -> tuple[bool, bool]:
         """Whether window ``w`` is sent dense this sync, and whether only on a guess: every
-        route of it went dense last time (then its changes are still counted)."""
+        route of it went dense last time (then its changes are still counted). A window whose
+        shadow holds only its sample's tiles (:meth:`_copy`) is sent dense, not on a guess,
+        once more: copied whole, before it is compared."""
         dense = all(bk.op.peer in decision.dense for bk in self._windows[w])
         guess = not dense and w in self._dense
         # a window whose shadow holds only its sample's tiles (see _copy) goes dense once
@@ -1310,6 +1314,9 @@ class DeltaEncoder:
         """Bring the shadow of window ``w``, sent dense, up to date by copies of the live bytes
         on the encoder's stream, after, where it was sent dense on a guess, a compare pass over
         a sample of its tiles, whose counts tell whether it goes dense again (:meth:`end`).
+        A window sent as pieces on a guess (:meth:`_deferred`) is not copied: the sample
+        brought its tiles up to date, and the window is *stale* (``_stale``) until a sync
+        sends it dense, not on a guess, and copies it whole (:meth:`_goes_dense`).
 
         A compare pass fills the GPU, and held back the sends queued behind it: NCCL's kernel
         for the next message started only once the pass's last tiles had, and the sends of a
