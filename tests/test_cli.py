@@ -148,6 +148,8 @@ def test_bench_gpu_variants_are_parsed_and_checked_before_starting():
     err = refused("--variant", "x: --fp8-ahead 99")
     assert "--variant 'x': --fp8-block / --fp8-ahead" in err and "ahead=99 must be" in err
     assert "unknown arguments ['--nope']" in refused("--variant", "x: --nope")
+    err = refused("--variant", "old: PYTHONPATH=/tmp/old --pieces")
+    assert "--variant 'old': PYTHONPATH does not reach" in err and "from inside it" in err
     assert "no flags and no NAME=VALUE" in refused("--variant", "x:")
     assert "labels must differ" in refused("--variant", "x: --iters 3", "--variant", "x: --iters 4")
     assert "unknown ['S9']" in refused("--scenarios", "S1,S9")

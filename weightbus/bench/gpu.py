@@ -642,6 +642,13 @@ def _parse_variant(p: argparse.ArgumentParser, a: argparse.Namespace, text: str)
         )
     if not env and not flags:
         p.error(f"--variant {label!r}: no flags and no NAME=VALUE settings")
+    if "PYTHONPATH" in env:
+        # spawned processes take this process's sys.path, whatever their environment says
+        p.error(
+            f"--variant {label!r}: PYTHONPATH does not reach the participants' imports (they "
+            "start with this process's sys.path); to time another tree, start the bench "
+            "from inside it (cd TREE && python -m weightbus bench gpu ...)"
+        )
     return _Variant(label, env, args, rest.strip())
 
 
