@@ -68,3 +68,43 @@ def test_a_trace_without_gpu_events_or_a_missing_file_says_so(tmp_path):
     assert "no GPU events" in summarize(empty)
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json")])
+
+
+def test_traces_of_one_sync_are_lined_up_on_their_clock(tmp_path, capsys):
+    """`across` puts each participant's first GPU event, first transfer and data stream (the
+    stream with the most transfer time) on the traces' shared clock, from the earliest first
+    GPU event; the bench writes it per scenario, the command prints it for two traces."""
+    from weightbus.bench.timeline import across, write_across
+
+    nccl = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    writer = [
+        _kernel("Memcpy HtoD (Pinned -> Device)", 7, 0.0, 0.1, cat="gpu_memcpy"),
+        _kernel(nccl, 18, 0.5, 0.1),  # directories
+        _kernel(nccl, 26, 2.0, 10.0),
+        _kernel(nccl, 26, 12.0, 10.0),
+    ]
+    reader = [
+        _kernel(nccl, 17, -1.0, 1.6),  # posted before the writer began: waits for it
+        _kernel(nccl, 25, 3.5, 18.5),  # its first data posted 1.5 ms after the writer's
+    ]
+    for name, events in (("S7-writer-0", writer), ("S7-reader-0", reader)):
+        (tmp_path / f"{name}.trace.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "S1-writer-0.trace.json").write_text(json.dumps({"traceEvents": writer}))
+    text = across(sorted(tmp_path.glob("S7-*.trace.json")))
+    lines = text.splitlines()
+    assert lines[0] == "2 traces on one clock, ms from the earliest first GPU event:"
+    assert lines[1] == (
+        "  S7-reader-0.trace.json: first GPU event 0.00, first transfer 0.00, data stream 25 "
+        "from 4.50 to 23.00 (18.50 ms busy)"
+    )
+    assert lines[2] == (
+        "  S7-writer-0.trace.json: first GPU event 1.00, first transfer 1.50, data stream 26 "
+        "from 3.00 to 23.00 (20.00 ms busy)"
+    )
+    out = write_across(tmp_path, "S7")
+    assert out is not None and out.name == "S7.across.txt" and out.read_text() == text
+    assert write_across(tmp_path, "S1") is None  # one trace: nothing to line up
+    pair = [str(tmp_path / "S7-writer-0.trace.json"), str(tmp_path / "S7-reader-0.trace.json")]
+    assert main(pair) == 0
+    printed = capsys.readouterr().out
+    assert "S7-writer-0.trace.json: 4 GPU events" in printed and across(pair) in printed

@@ -741,6 +741,11 @@ def _run_spec(
         (_participant_worker, ("reader", r, first_reader_gpu + r, args)) for r in range(n_r)
     ]
     res = _run_group(targets, 1200)
+    where = os.environ.get("WEIGHTBUS_PROFILE_DIR")
+    if where and os.environ.get("WEIGHTBUS_PROFILE_TRACE"):
+        from weightbus.bench.timeline import write_across
+
+        write_across(where, sname)  # <scenario>.across.txt: each side's first messages
     w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
     moved = res[("writer-0", 0)]["bytes"]
     exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))

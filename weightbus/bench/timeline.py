@@ -15,7 +15,14 @@ terminal, so that a run on a remote machine need not carry the trace back:
 - the stretches longer than ``gap_ms`` in which no stream ran anything (the GPU waited for
   its host).
 
-Usage: ``python -m weightbus.bench.timeline TRACE.json [--gap-ms 0.2]``.
+Given the traces of several participants of one sync (one host, so one clock),
+:func:`across` lines them up: per trace, when its first GPU event and its first transfer
+kernel began, and when its data stream (the stream with the most transfer time) began and
+ended, in milliseconds from the earliest first GPU event among them. A side whose data
+stream starts late posted its first message late (a reader reading directories, a writer
+analyzing its first window). ``weightbus bench gpu`` writes ``<scenario>.across.txt`` so.
+
+Usage: ``python -m weightbus.bench.timeline TRACE.json [TRACE.json ...] [--gap-ms 0.2]``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["summarize", "write_summary"]
+__all__ = ["across", "summarize", "write_across", "write_summary"]
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _TRANSFER = "nccl"
@@ -124,15 +132,81 @@ def write_summary(trace: str | Path, **kwargs) -> Path:
     return out
 
 
+def across(paths: Sequence[str | Path]) -> str:
+    """The traces at ``paths`` (participants of one sync on one host) lined up on their
+    common clock: see the module docstring."""
+    rows = []
+    for path in paths:
+        events = _events(json.loads(Path(path).read_text()))
+        transfers = [e for e in events if _TRANSFER in e["name"].lower()]
+        by_stream: dict[object, list[dict]] = defaultdict(list)
+        for e in transfers:
+            by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+        data = None
+        if by_stream:
+            stream, evs = max(by_stream.items(), key=lambda kv: sum(float(e["dur"]) for e in kv[1]))
+            data = (
+                stream,
+                float(evs[0]["ts"]),
+                max(float(e["ts"]) + float(e["dur"]) for e in evs),
+                sum(float(e["dur"]) for e in evs),
+            )
+        first = float(events[0]["ts"]) if events else None
+        rows.append(
+            (Path(path).name, first, float(transfers[0]["ts"]) if transfers else None, data)
+        )
+    firsts = [r[1] for r in rows if r[1] is not None]
+    if not firsts:
+        return f"{len(rows)} traces: no GPU events\n"
+    t0 = min(firsts)
+    lines = [f"{len(rows)} traces on one clock, ms from the earliest first GPU event:"]
+    for name, first, transfer, data in rows:
+        if first is None:
+            lines.append(f"  {name}: no GPU events")
+            continue
+        text = f"  {name}: first GPU event {(first - t0) / 1000.0:.2f}"
+        if transfer is not None:
+            text += f", first transfer {(transfer - t0) / 1000.0:.2f}"
+        if data is not None:
+            stream, start, end, busy = data
+            text += (
+                f", data stream {stream} from {(start - t0) / 1000.0:.2f} to "
+                f"{(end - t0) / 1000.0:.2f} ({busy / 1000.0:.2f} ms busy)"
+            )
+        lines.append(text)
+    return "\n".join(lines) + "\n"
+
+
+def write_across(directory: str | Path, scenario: str) -> Path | None:
+    """Write :func:`across` of ``directory``'s ``<scenario>-*.trace.json`` (two or more) as
+    ``<scenario>.across.txt``; None when there are fewer."""
+    directory = Path(directory)
+    paths = sorted(directory.glob(f"{scenario}-*.trace.json"))
+    if len(paths) < 2:
+        return None
+    out = directory / f"{scenario}.across.txt"
+    out.write_text(across(paths))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m weightbus.bench.timeline", description=__doc__)
-    p.add_argument("trace", help="a Chrome trace (.json) from the PyTorch profiler")
+    p.add_argument(
+        "trace",
+        nargs="+",
+        help="Chrome traces (.json) from the PyTorch profiler; with two or "
+        "more, also their first messages lined up (one host's traces)",
+    )
     p.add_argument("--gap-ms", type=float, default=0.2, help="gaps listed above this (ms)")
     p.add_argument("--most", type=int, default=40, help="at most this many gaps listed")
     a = p.parse_args(argv)
-    if not Path(a.trace).is_file():
-        p.error(f"{a.trace}: no such file")
-    print(summarize(a.trace, gap_ms=a.gap_ms, most=a.most), end="")
+    for trace in a.trace:
+        if not Path(trace).is_file():
+            p.error(f"{trace}: no such file")
+    for trace in a.trace:
+        print(summarize(trace, gap_ms=a.gap_ms, most=a.most), end="")
+    if len(a.trace) > 1:
+        print(across(a.trace), end="")
     return 0
 
 
