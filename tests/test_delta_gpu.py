@@ -205,10 +205,12 @@ def _hash(i: torch.Tensor, *keys: int) -> torch.Tensor:
     return h
 
 
-def _step_large(model, canon: dict[str, torch.Tensor], version: int, device) -> None:
+def _step_large(
+    model, canon: dict[str, torch.Tensor], version: int, device, percent: int = 1
+) -> None:
     """Version ``version`` of the large case's canonical weights, in place: version 1 sets
-    every element's bits, each later one changes about 1% of them (any bf16 bits, NaN
-    payloads and -0.0 included: the codec compares raw bits)."""
+    every element's bits, each later one changes about ``percent``% of them (any bf16 bits,
+    NaN payloads and -0.0 included: the codec compares raw bits)."""
     for t in model.tensors:
         seed = zlib.crc32(t.name.encode())
         i = torch.arange(math.prod(t.shape), device=device)
@@ -217,11 +219,17 @@ def _step_large(model, canon: dict[str, torch.Tensor], version: int, device) -> 
         if version == 1:
             canon[t.name] = x
         else:
-            changed = (_hash(i, seed, version, 2) % 100 == 0).view(t.shape)
+            changed = (_hash(i, seed, version, 2) % 100 < percent).view(t.shape)
             canon[t.name] = torch.where(changed, x, canon[t.name])
 
 
-def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> None:
+_ANNOUNCED_PERCENT = {2: 50, 3: 50, 4: 50}
+"""The announce case: the percent of elements each version changes (1 where not listed)."""
+
+
+def _participant(
+    role: str, port: int, q, size: str, pieces: bool = False, announce: bool = False
+) -> None:
     try:
         from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
         from weightbus.codecs import _delta_triton
@@ -242,7 +250,9 @@ def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> No
             config = {**PRESETS["llama-3-8b"], "num_hidden_layers": 4, "vocab_size": 32000}
             model = model_spec(config, dtype="bfloat16")
             buckets = {}
-            delta = DeltaConfig(checksum_every=3, window_bytes=256 << 20, pieces=pieces)
+            delta = DeltaConfig(
+                checksum_every=3, window_bytes=256 << 20, pieces=pieces, announce=announce
+            )
         layout = build_layouts(model, "whole" if role == "writer" else "vllm:tp=1", role)[0]
         me = Participant(role=role, rank=0, host=socket.gethostname(), device=str(device))
         layout = dataclasses.replace(layout, participant=me, _memo={})
@@ -270,6 +280,15 @@ def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> No
             used = tables == {_delta_triton.WindowTable}
         else:
             used = isinstance(side.codec.decoder._table, _delta_triton.TargetTable)
+        said: list[bool] = []  # the writer: per sync, whether its begin announced pieces
+        if role == "writer":
+            real = side.codec.announce
+
+            def told() -> bool:
+                said.append(real())
+                return said[-1]
+
+            side.codec.announce = told
         sizes, bad = [], []
         canon: dict[str, torch.Tensor] = {}
         want = allocate(layout, device=device) if role == "reader" else None
@@ -277,7 +296,8 @@ def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> No
             if size == "tiny":
                 canon = _canon(model, v, device)
             else:
-                _step_large(model, canon, v, device)
+                percent = _ANNOUNCED_PERCENT.get(v, 1) if announce else 1
+                _step_large(model, canon, v, device, percent)
             if role == "writer":
                 fill_from_canonical(layout, canon, tensors)
                 torch.cuda.synchronize()
@@ -289,7 +309,7 @@ def _participant(role: str, port: int, q, size: str, pieces: bool = False) -> No
                 if not torch.equal(tensors[k].view(torch.int16), t.view(torch.int16)):
                     bad.append((v, k))
         side.close()
-        q.put((role, "ok" if used and not bad else "wrong", (used, sizes, bad[:5])))
+        q.put((role, "ok" if used and not bad else "wrong", (used, sizes, bad[:5], said)))
     except BaseException as exc:
         q.put((role, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
 
@@ -408,11 +428,41 @@ def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
     results = collect_reports(procs, q, 2, 240).got
     assert set(results) == {"writer", "reader"}, results
     assert all(status == "ok" for status, _ in results.values()), results
-    _, sizes_w, _ = results["writer"][1]
-    _, sizes_r, _ = results["reader"][1]
+    _, sizes_w, _, _ = results["writer"][1]
+    _, sizes_r, _, _ = results["reader"][1]
     assert sizes_w == sizes_r
     # the first sync is dense; then an index and a value per changed element
     assert max(sizes_r[1:]) < 0.1 * sizes_r[0], sizes_r
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_syncs_announced_as_pieces_over_nccl_are_bit_exact(monkeypatch):
+    """With ``DeltaConfig.announce``, over NCCL between two GPUs: a dense sync, three at 50%
+    changed (the first compared, then sent dense on a guess: announced, the reader posting
+    every receive at once; the third also checksummed, its directories waiting for the
+    shadow's copies), then 1% (still on a guess, announced; its sample sees few changes) and
+    1% again (its windows stale, sent dense once more: announced). Bit exact after each
+    sync, the same bytes on both sides; a mismatch in the order of messages would fail it
+    or hang until the timeout."""
+    monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_participant, args=(r, store.port, q, "large", True, True))
+        for r in ("writer", "reader")
+    ]
+    for p in procs:
+        p.start()
+    results = collect_reports(procs, q, 2, 240).got
+    assert set(results) == {"writer", "reader"}, results
+    assert all(status == "ok" for status, _ in results.values()), results
+    _, sizes_w, _, said = results["writer"][1]
+    _, sizes_r, _, _ = results["reader"][1]
+    assert sizes_w == sizes_r
+    assert said == [False, False, True, True, True, True], said
+    assert min(sizes_r[1:]) > 0.9 * sizes_r[0], sizes_r  # every sync dense (or on a guess)
 
 
 def _compiled(kernels) -> int:

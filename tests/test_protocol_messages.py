@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(60)]
 
 
 def test_messages_of_the_protocol_pass():
-    assert check_message({"version": 3}, BEGIN, "writer 'w'", "begin/0") == {"version": 3}
+    begin = {"version": 3, "pieces": False}
+    assert check_message(begin, BEGIN, "writer 'w'", "begin/0") == begin
     check_message({"version": 3, "ok": True, "bytes": 10}, ACK, "reader 'r'", "ack/0")
     check_message({"holds": None, "checksum": False}, HOLDS, "reader 'r'", "holds/0")
     check_message({"holds": 7, "checksum": True}, HOLDS, "reader 'r'", "holds/0")
@@ -29,11 +30,12 @@ def test_messages_of_the_protocol_pass():
 @pytest.mark.parametrize(
     "value, schema, says",
     [
-        ({"version": "3"}, BEGIN, "version='3': the protocol wants int"),
-        ({"version": True}, BEGIN, "version=True: the protocol wants int"),
-        ({"version": 2**64}, BEGIN, "the protocol wants int"),
-        ({"version": 3, "extra": 1}, BEGIN, r"fields \['extra', 'version'\]"),
-        ({}, BEGIN, r"fields \[\], the protocol has \['version'\]"),
+        ({"version": "3", "pieces": False}, BEGIN, "version='3': the protocol wants int"),
+        ({"version": True, "pieces": False}, BEGIN, "version=True: the protocol wants int"),
+        ({"version": 2**64, "pieces": False}, BEGIN, "the protocol wants int"),
+        ({"version": 3, "pieces": 1}, BEGIN, "pieces=1: the protocol wants bool"),
+        ({"version": 3}, BEGIN, r"fields \['version'\], the protocol has \['pieces', 'version'\]"),
+        ({}, BEGIN, r"fields \[\], the protocol has \['pieces', 'version'\]"),
         ([3], BEGIN, "as list, not a message"),
         ({"version": 3, "ok": 1, "bytes": 10}, ACK, "ok=1: the protocol wants bool"),
         ({"holds": "x", "checksum": False}, HOLDS, "int or NoneType"),
@@ -95,7 +97,7 @@ def test_a_malformed_message_in_a_gather_names_its_sender():
 
     def body(c):
         if c.participant.role == "writer":
-            c.post("begin/0", {"version": "seven"})
+            c.post("begin/0", {"version": "seven", "pieces": False})
             c.gather("done", role="reader")
             return None
         try:

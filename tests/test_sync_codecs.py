@@ -18,6 +18,7 @@ The two jobs run one after the other in the same processes (starting them is the
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import re
@@ -475,8 +476,10 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("rooms", [True, False])
-def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
+@pytest.mark.parametrize(
+    ("rooms", "announce"), [(True, False), (False, False), (True, True), (False, True)]
+)
+def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, announce):
     """Writers whose weights are the wire's (bf16: no cast) send each group of plain
     buckets as its pieces, from their tensors, and readers receive each large route's piece
     straight into theirs (tensor parallel, fused qkv), the small ones staged: dense syncs,
@@ -485,7 +488,10 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
     The writers stage small pieces in rooms of their own, without a staging buffer, and so
     do the readers, or (``rooms`` off: no room for them) in a staging buffer. The messages
     of a group on each link are posted in the same groups and sizes on both sides, as NCCL
-    needs."""
+    needs. With ``announce`` (``DeltaConfig.announce``), a writer whose every window goes
+    dense for sure says so at the sync's begin, and readers with rooms post every receive
+    of its groups at once, before reading any directory; without rooms they read them
+    first, as usual."""
     from weightbus import BoundLayout, Participant, Reader, Writer
     from weightbus.codecs import DeltaConfig
     from weightbus.codecs.delta import DeltaDecoder, DeltaEncoder
@@ -524,6 +530,15 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
         return out
 
     monkeypatch.setattr(DeltaDecoder, "pieces", pieces)
+    real_announced = DeltaDecoder.announced_pieces
+
+    def announced_pieces(self, ops, room):  # (posted before the directories were read)
+        out = real_announced(self, ops, room)
+        landed.append((self.name, len(out)))
+        roomed.append(True)
+        return out
+
+    monkeypatch.setattr(DeltaDecoder, "announced_pieces", announced_pieces)
     unstaged: list[bool] = []  # per group a writer sent as pieces: without a staging buffer?
     real_unstaged = DeltaEncoder.unstaged
 
@@ -537,7 +552,27 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
         return out
 
     monkeypatch.setattr(DeltaEncoder, "unstaged", spy)
-    sync = {"delta": DeltaConfig(checksum_every=0, window_bytes=DELTA_WINDOW, pieces=True)}
+    said: list[tuple[int, bool]] = []  # (writer's rank, announced) per writer and sync
+    real_announce = DeltaEncoder.announce
+
+    def announced(self):
+        out = real_announce(self)
+        said.append((self.name, out))
+        return out
+
+    monkeypatch.setattr(DeltaEncoder, "announce", announced)
+    eager: list[str] = []  # per writer whose groups a reader posted at once: the reader
+    real_post = Reader._post_announced
+
+    def post_announced(self, first, heads, posted, phases):
+        out = real_post(self, first, heads, posted, phases)
+        if out:
+            eager.append(self.name)
+        return out
+
+    monkeypatch.setattr(Reader, "_post_announced", post_announced)
+    delta = DeltaConfig(checksum_every=0, window_bytes=DELTA_WINDOW, pieces=True, announce=announce)
+    sync = {"delta": delta}
     ready = threading.Barrier(n_w + n_r)
 
     def writer(rank):
@@ -578,6 +613,8 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
                         for t in tensors.values():
                             poison(t)
                     before = len(landed)
+                    if v == 5:  # every bucket checksummed: directories that wait for copies
+                        r.request_checksum()
                     ready.wait(30)
                     results.append(r.wait())
                     counts.append(len(landed) - before)
@@ -612,6 +649,17 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms):
             assert any(len(n) > 1 for n in sends)  # (pieces posted together)
     assert unstaged and set(unstaged) == {rooms}, unstaged
     assert roomed and set(roomed) == {rooms}, roomed  # the readers' too
+    # announced: the syncs after one where every route changed (4: 60% again, 5: 1%, still
+    # sent dense on a guess); 6 is compared again. Readers with rooms posted every receive
+    # of each writer's groups at once in those syncs, in the order the writers sent them
+    by_writer: dict[str, list[bool]] = {}
+    for name, told in said:
+        by_writer.setdefault(name, []).append(told)
+    want = [False, False, False, announce, announce, False]
+    assert len(by_writer) == n_w and all(v == want for v in by_writer.values()), by_writer
+    eager_per_reader = collections.Counter(eager)
+    expected = {f"reader-{r}": 2 * n_w for r in range(n_r)} if announce and rooms else {}
+    assert eager_per_reader == expected, (eager_per_reader, expected)
     for name, result in out.items():  # each phase counted once: together within the sync
         for res in result[-1]:
             timed = sum(s for phase, s in res.phases.items() if phase != "plan")

@@ -99,13 +99,16 @@ class Writer(_Session):
         t_start = time.perf_counter()
         try:
             transport.begin()
-            control.post(f"begin/{seq}", {"version": version})
+            # deltas: whether every group travels as pieces, so that readers post every
+            # receive at once (DeltaConfig.announce)
+            announce = self.codec is not None and self.codec.announce()
+            control.post(f"begin/{seq}", {"version": version, "pieces": announce})
             total = sent = self.bytes_per_sync
             done = 0
             if verifier is not None:
                 verifier.begin()
             if self.codec is not None:
-                sent = self._send_coded(version, seq, deadline, phases, progress)
+                sent = self._send_coded(version, seq, deadline, phases, progress, announce)
             elif self.pulled and verifier is not None:
                 # readers copy from these tensors: sum them as the readers will receive them
                 t = time.perf_counter()
@@ -215,11 +218,12 @@ class Writer(_Session):
         deadline: _Deadline,
         phases: dict[str, float],
         progress: Progress | None,
+        announced: bool = False,
     ) -> int:
         """Encode and send every bucket through the codecs (FP8, deltas); return the bytes
         sent. The same pipeline as uncoded syncs: in-place sends go at once, staged buckets
         (with deltas, a window's buckets to one reader together) take turns on the staging
-        buffers."""
+        buffers. ``announced``: the begin message said every group travels as pieces."""
         codec, control, transport = self.codec, self.control, self.transport
         assert codec is not None and self.plan is not None
         if codec.policy is not None:
@@ -240,7 +244,7 @@ class Writer(_Session):
         t = time.perf_counter()
         # FP8: the amax pass and the writers' all-reduce; where buckets go ahead of its check
         # (they need no scales), it is queued below, once they are packed
-        codec.begin(version, scales_later=bool(ahead))
+        codec.begin(version, scales_later=bool(ahead), announced=announced)
         phases["pack"] += time.perf_counter() - t
         self._directories = []
         self._ahead = set()

@@ -360,12 +360,14 @@ def _scenario_codecs(
     window_mb: int | None = None,
     windows_per_pass: int | None = None,
     pieces: bool | None = None,
+    announce: bool | None = None,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
     defaults Fp8Config's), S7 deltas (checksums only on request; windows of ``window_mb``
     MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's; ``pieces``:
-    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, None: its default)."""
+    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, and ``announce``,
+    :attr:`DeltaConfig.announce`; None: their defaults)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
@@ -379,6 +381,8 @@ def _scenario_codecs(
             window["windows_per_pass"] = windows_per_pass
         if pieces is not None:
             window["pieces"] = pieces
+        if announce is not None:
+            window["announce"] = announce
         return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
 
@@ -393,6 +397,7 @@ def _codec_flags(a) -> dict:
         "window_mb": a.window_mb,
         "windows_per_pass": a.windows_per_pass,
         "pieces": a.pieces,
+        "announce": a.announce,
     }
 
 
@@ -818,6 +823,7 @@ def _run_spec(
         entry["window_mb"] = delta.window_bytes >> 20
         entry["windows_per_pass"] = delta.windows_per_pass
         entry["pieces"] = delta.pieces
+        entry["announce"] = delta.announce
         entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
     print(
         f"  {sname}{tag}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
@@ -901,6 +907,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="S7: groups of plain buckets travel as pieces, from and into the live tensors, "
         "or not (default: DeltaConfig.pieces, on)",
+    )
+    p.add_argument(
+        "--announce",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="S7: a writer whose every group travels as pieces says so at the sync's begin, "
+        "and readers post every receive at once (default: DeltaConfig.announce, off)",
     )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")

@@ -87,6 +87,11 @@ header has flag 8 (``FLAG_PIECES``), as its pieces instead of its second message
 (:func:`group_pieces`, the same on both sides): each from the writer's tensors where it lies
 contiguous there, each into the reader's where it does there, the others staged (in rooms
 of their own where they fit, so that such a group takes no staging buffer on either side).
+With :attr:`DeltaConfig.announce`, a writer whose every window goes dense for sure says in
+its begin message that every group of its travels as pieces with the next group's
+directories ahead (:meth:`DeltaEncoder.announce`); a reader with a room for each of those
+groups then posts all their receives at once, in that order, and checks each group's
+directories as they arrive (:meth:`DeltaDecoder.check_announced`).
 
 When the writer sends dense (:class:`DeltaPolicy`): the first sync (nothing sent before),
 to a reader whose acknowledged version is not the one the shadow holds (it missed a sync or
@@ -194,6 +199,17 @@ class DeltaConfig:
     50% of the elements changed every sync): 49.0-49.9 ms with it, 52.4 without, S1 46.1-46.8
     (the copies whole beside the sends had slowed NCCL's kernels: 55.5-56.0); see
     docs/history.md."""
+
+    announce: bool = False
+    """Whether a writer says at a sync's begin (its ``begin`` message) when every group of
+    its will travel as pieces with the next group's directories ahead of its buckets (every
+    window goes dense for sure, :meth:`DeltaEncoder.announce`); readers then post every
+    receive of that writer's groups at once, as syncs without codecs do, instead of reading
+    each group's directories first. In a profile of S7 at 50% changed (two H100s), a reader
+    posted its first pieces about 3.5 ms after its first directories' receive, while the
+    writer's link was ready: the reader's host noticing their arrival, reading them and
+    posting. Off by default until measured on GPUs. Writer-side only (readers follow the
+    announcement where every group has a room of its own, else read directories first)."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
@@ -906,14 +922,36 @@ class DeltaEncoder:
         self._done: set[int] = set()
         self._in_pieces: set[int] = set()
         """This sync's buckets sent as pieces (:meth:`sent_live`)."""
+        self._announced = False
+        """Whether this sync's begin announced every group as pieces (:meth:`announce`)."""
 
     def shadow_of(self, op: BucketOp) -> torch.Tensor:
         base = self._buckets[op.bucket].base
         return self.shadow[base : base + op.nbytes]
 
-    def begin(self, decision: DeltaDecision) -> None:
-        """Start a sync: what to send dense, the versions, whether to checksum."""
+    def announce(self) -> bool:
+        """Whether the sync about to begin sends every group as pieces, each with the next
+        group's directories ahead of its buckets, whatever its decision says (dense readers,
+        a checksum): :attr:`DeltaConfig.announce` and pieces are on, the shadow is on this
+        device, every window goes dense for sure (sent dense on a guess, or stale:
+        :meth:`_goes_dense`) and every group's routes are live regions. The writer says so
+        in its begin message and passes it to :meth:`begin`; readers may then post every
+        receive of its groups at once, in the order it sends them."""
+        if not (self.config.announce and self.config.pieces and self._local):
+            return False
+        for w in range(len(self._windows)):
+            if w not in self._dense and w not in self._stale:
+                return False
+            lay = self._layout_of(w)
+            if any(lay.pieces.get(first) is None for first, _ in lay.groups):
+                return False
+        return True
+
+    def begin(self, decision: DeltaDecision, *, announced: bool = False) -> None:
+        """Start a sync: what to send dense, the versions, whether to checksum; ``announced``:
+        what :meth:`announce` said, and the writer told its readers."""
         self._decision = decision
+        self._announced = announced
         self._open.clear()
         self._later.clear()
         self._done.clear()
@@ -938,6 +976,7 @@ class DeltaEncoder:
                 self._dense.discard(w)  # some route would have gone sparse: compare next time
         self._tally.clear()
         self._decision = None
+        self._announced = False
         self._open.clear()
         self._done.clear()
         self._in_pieces.clear()
@@ -1070,6 +1109,10 @@ class DeltaEncoder:
         assert self._decision is not None
         first = self._next[op.bucket]
         w = self._window_of[first]
+        if self._announced:
+            # launched (or deferred) first: with a checksum its directories read the shadow
+            self._ready(w, self._decision)
+            return self._groups[first][0], self._directories[first]
         win = self._open.get(w)
         if win is None:
             win = self._open[w] = self._open_window(w, self._decision)
@@ -1107,10 +1150,13 @@ class DeltaEncoder:
         ready by the time this group's buckets leave without waiting for the device: it is
         analyzed with this one, or its window goes dense (its directories follow from the
         plan; its compare pass only brings the shadow up to date, and runs once the window's
-        buckets are packed)."""
+        buckets are packed). In a sync announced as pieces (:meth:`announce`), always: the
+        readers posted their receives in that order."""
         nxt = self._next.get(first)
         if nxt is None:
             return False
+        if self._announced:
+            return True
         w2 = self._window_of[nxt]
         if w2 == w:
             return True
@@ -1406,6 +1452,11 @@ class DeltaEncoder:
                 # every bucket plain and every route live: sent from the live tensors
                 win.pieces.add(first)
                 flags[0] |= FLAG_PIECES
+            elif self._announced:  # (announce() checked what makes a group pieces)
+                raise RuntimeError(
+                    f"{self.name}: the group of bucket {first} was announced as pieces, but "
+                    "its window is not sent dense from live regions"
+                )
             group = torch.from_numpy(joined)
             self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
 
@@ -1867,10 +1918,42 @@ class DeltaDecoder:
         as soon as it has its directories, not once an older group left a buffer (on two
         H200s at 50% changed, a reader with two buffers posted each group's pieces just in
         time and the link waited for it); else None."""
-        hit = self._rooms.get(tuple(op.bucket for op in ops))
-        if hit is None or len(raw) < 12 or not struct.unpack_from("<I", raw, 8)[0] & FLAG_PIECES:
+        if len(raw) < 12 or not struct.unpack_from("<I", raw, 8)[0] & FLAG_PIECES:
             return None
-        return self.pieces_area[hit.at : hit.at + hit.nbytes]
+        return self.announced_room(ops)
+
+    def announced_room(self, ops: Sequence[BucketOp]) -> torch.Tensor | None:
+        """The room of the group ``ops`` (:meth:`room`), whatever its directories say: for a
+        group its writer announced as pieces; None where it has none."""
+        hit = self._rooms.get(tuple(op.bucket for op in ops))
+        return None if hit is None else self.pieces_area[hit.at : hit.at + hit.nbytes]
+
+    def announced_pieces(self, ops: Sequence[BucketOp], room: torch.Tensor) -> list[torch.Tensor]:
+        """Where each piece of the group ``ops`` lands when it travels as pieces in its
+        ``room`` (:meth:`announced_room`), from the plan alone: as :meth:`pieces` gives once
+        its directories are taken."""
+        hit = self._rooms[tuple(op.bucket for op in ops)]
+        return self._lands(self._span(ops), room, hit.pieces)
+
+    def check_announced(self, ops: Sequence[BucketOp], has_next: bool) -> None:
+        """After :meth:`take_group` of a group whose writer announced every group as pieces
+        (its receives posted before its directories were read): raise unless they say it
+        travels as pieces, landed in its room, with the next group's directories ahead of
+        its buckets where there is a next group (``has_next``)."""
+        d = self._read.get(ops[0].bucket)
+        if d is None:
+            raise RuntimeError(
+                f"{self.name}: the directories of bucket {ops[0].bucket} were not taken"
+            )
+        flags = int(d.flags[0])
+        if not flags & FLAG_PIECES or d.room is None or (has_next and not flags & FLAG_AHEAD):
+            raise self._error(
+                ops[0],
+                f"its writer announced every group as pieces, the next group's directories "
+                f"ahead, but this group's first header has flags {flags:#x}"
+                f"{'' if d.room is not None else ' (not landed in its room)'}: the two sides "
+                "run different weightbus versions",
+            )
 
     def _in_room(self, ops: Sequence[BucketOp], d: _Directories, buf: torch.Tensor) -> bool:
         """Whether ``buf`` is the room (:meth:`room`) of the group ``d`` describes; keeps it."""
@@ -2038,11 +2121,18 @@ class DeltaDecoder:
             )
         if not d.flags[0] & FLAG_PIECES:
             return None
-        pieces, live, _ = self._landing_of(d.span)
-        places = d.room.pieces if d.room is not None else [p.at for p in pieces]
+        return self._lands(d.span, buf, d.room.pieces if d.room is not None else None)
+
+    def _lands(
+        self, span: _Span, buf: torch.Tensor, places: Sequence[int] | None
+    ) -> list[torch.Tensor]:
+        """Where each piece of ``span``'s group lands: its live bytes, else ``buf`` at its
+        place there (``places``, a room's; None: its place in the group's plain layout)."""
+        pieces, live, _ = self._landing_of(span)
+        at = [p.at for p in pieces] if places is None else places
         return [
-            buf[at : at + p.nbytes] if v is None else v
-            for p, v, at in zip(pieces, live, places, strict=True)
+            buf[a : a + p.nbytes] if v is None else v
+            for p, v, a in zip(pieces, live, at, strict=True)
         ]
 
     def _landing_of(self, span: _Span) -> tuple:

@@ -393,8 +393,10 @@ class DictOf:
         return f"DictOf({_kind_name(self.key)}, {_kind_name(self.value)})"
 
 
-BEGIN: Schema = {"version": int}
-"""``begin/<seq>``, from each writer: the version this sync carries."""
+BEGIN: Schema = {"version": int, "pieces": bool}
+"""``begin/<seq>``, from each writer: the version this sync carries, and whether every group
+of deltas it sends travels as pieces, each with the next group's directories ahead (readers
+may then post all their receives from it at once: ``DeltaConfig.announce``)."""
 ACK: Schema = {"version": int, "ok": bool, "bytes": int}
 """``ack/<seq>``, from each reader: the version it now holds, and the bytes it received."""
 COMMIT: Schema = {"version": int}

@@ -465,13 +465,26 @@ class WriterCodec:
         if self.policy is not None:
             self.policy.request_checksum()
 
+    def announce(self) -> bool:
+        """Deltas: whether the sync about to begin sends every group as pieces, the next
+        group's directories ahead of each group's buckets
+        (:meth:`~weightbus.codecs.delta.DeltaEncoder.announce`): the writer says so in its
+        begin message, and passes it to :meth:`begin`."""
+        return self.encoder is not None and self.encoder.announce()
+
     def begin(
-        self, version: int, *, scales_ready: bool = False, scales_later: bool = False
+        self,
+        version: int,
+        *,
+        scales_ready: bool = False,
+        scales_later: bool = False,
+        announced: bool = False,
     ) -> None:
         """Start the sync of ``version``: FP8 scales (amax pass and the writers' all-reduce,
         unless ``scales_ready``, or ``scales_later``: then between :meth:`start_scales` and
         :meth:`finish_scales`, and only buckets without FP8 content may be packed before) and
-        the delta decision."""
+        the delta decision (``announced``: what :meth:`announce` said, and the readers were
+        told)."""
         self._version = int(version)
         self._check_in_place()
         if self.scales is not None and not scales_ready and not scales_later:
@@ -479,7 +492,7 @@ class WriterCodec:
         if self.policy is not None:
             assert self.encoder is not None
             self._decision = self.policy.begin(self._version)
-            self.encoder.begin(self._decision)
+            self.encoder.begin(self._decision, announced=announced)
 
     def start_scales(self) -> bool:
         """FP8, after ``begin(..., scales_later=True)``: queue the amax pass where it can run
@@ -630,6 +643,26 @@ class ReaderCodec:
         (:meth:`~weightbus.codecs.delta.DeltaDecoder.room`); else None."""
         assert self.decoder is not None, "room is for delta buckets"
         return self.decoder.room(group.ops, raw)
+
+    def announced_room(self, group: Group) -> torch.Tensor | None:
+        """Deltas: the room of a group its writer announced as pieces (every group of that
+        writer travels as pieces this sync), before its directories arrive; None where it
+        has none (then its directories are read first, as without an announcement)."""
+        assert self.decoder is not None, "announced_room is for delta buckets"
+        return self.decoder.announced_room(group.ops)
+
+    def announced_pieces(self, group: Group, room: torch.Tensor) -> list[torch.Tensor]:
+        """Deltas: where each piece of an announced group lands (the live tensors, or its
+        ``room``: :meth:`announced_room`), from the plan alone."""
+        assert self.decoder is not None, "announced_pieces is for delta buckets"
+        return self.decoder.announced_pieces(group.ops, room)
+
+    def check_announced(self, group: Group) -> None:
+        """Deltas, after :meth:`take_group` of an announced group: raise unless its
+        directories say what the announcement did (pieces, in its room, the next group's
+        directories ahead)."""
+        assert self.decoder is not None, "check_announced is for delta buckets"
+        self.decoder.check_announced(group.ops, self.next_group(group.ops[0]) is not None)
 
     def room_buffers(self) -> list[torch.Tensor]:
         """Deltas: what receives may write besides the staging buffers and live tensors (for
