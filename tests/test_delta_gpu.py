@@ -411,16 +411,15 @@ def test_windows_sent_dense_on_a_guess_are_copied_after_a_sample(shadow, monkeyp
         assert moved[4] - fixed < 0.2 * dense_bytes, (moved, fixed, dense_bytes)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("size", "pieces"), [("tiny", False), ("large", False), ("large", True)])
-def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
-    monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)  # the default: the kernels
+def _session_over_nccl(size: str, pieces: bool, announce: bool = False):
+    """A writer on GPU 0 and a reader on GPU 1 (:func:`_participant`), both ok and bit exact
+    after every sync, having moved the same bytes: the reader's bytes per sync, and per sync
+    whether the writer's begin announced every group as pieces."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_participant, args=(r, store.port, q, size, pieces))
+        ctx.Process(target=_participant, args=(r, store.port, q, size, pieces, announce))
         for r in ("writer", "reader")
     ]
     for p in procs:
@@ -428,9 +427,18 @@ def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
     results = collect_reports(procs, q, 2, 240).got
     assert set(results) == {"writer", "reader"}, results
     assert all(status == "ok" for status, _ in results.values()), results
-    _, sizes_w, _, _ = results["writer"][1]
+    _, sizes_w, _, said = results["writer"][1]
     _, sizes_r, _, _ = results["reader"][1]
     assert sizes_w == sizes_r
+    return sizes_r, said
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("size", "pieces"), [("tiny", False), ("large", False), ("large", True)])
+def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
+    monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)  # the default: the kernels
+    sizes_r, _ = _session_over_nccl(size, pieces)
     # the first sync is dense; then an index and a value per changed element
     assert max(sizes_r[1:]) < 0.1 * sizes_r[0], sizes_r
 
@@ -446,21 +454,7 @@ def test_syncs_announced_as_pieces_over_nccl_are_bit_exact(monkeypatch):
     sync, the same bytes on both sides; a mismatch in the order of messages would fail it
     or hang until the timeout."""
     monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_participant, args=(r, store.port, q, "large", True, True))
-        for r in ("writer", "reader")
-    ]
-    for p in procs:
-        p.start()
-    results = collect_reports(procs, q, 2, 240).got
-    assert set(results) == {"writer", "reader"}, results
-    assert all(status == "ok" for status, _ in results.values()), results
-    _, sizes_w, _, said = results["writer"][1]
-    _, sizes_r, _, _ = results["reader"][1]
-    assert sizes_w == sizes_r
+    sizes_r, said = _session_over_nccl("large", True, True)
     assert said == [False, False, True, True, True, True], said
     assert min(sizes_r[1:]) > 0.9 * sizes_r[0], sizes_r  # every sync dense (or on a guess)
 
