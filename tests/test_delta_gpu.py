@@ -448,11 +448,11 @@ def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
 def test_syncs_announced_as_pieces_over_nccl_are_bit_exact(monkeypatch):
     """With ``DeltaConfig.announce``, over NCCL between two GPUs: a dense sync, three at 50%
     changed (the first compared, then sent dense on a guess: announced, the reader posting
-    every receive at once; the third also checksummed, its directories waiting for the
-    shadow's copies), then 1% (still on a guess, announced; its sample sees few changes) and
-    1% again (its windows stale, sent dense once more: announced). Bit exact after each
-    sync, the same bytes on both sides; a mismatch in the order of messages would fail it
-    or hang until the timeout."""
+    every receive at once), then 1% (still on a guess, announced; its sample sees few
+    changes) and 1% again (its windows stale, sent dense once more: announced). Syncs 3 and
+    6 carry checksums (``checksum_every=3``): their directories wait for the shadow's
+    copies. Bit exact after each sync, the same bytes on both sides; a mismatch in the order
+    of messages would fail it or hang until the timeout."""
     monkeypatch.delenv("WEIGHTBUS_DELTA_TRITON", raising=False)
     sizes_r, said = _session_over_nccl("large", True, True)
     assert said == [False, False, True, True, True, True], said
