@@ -585,10 +585,7 @@ class Reader(_Session):
                 nxt = chain[i + 1][0]
                 heads[nxt.bucket] = self._recv_directories(nxt)
             group = _Group(spec, room, staged=False)
-            landing = codec.announced_pieces(spec, room)
-            for post in self._piece_posts[op.bucket]:
-                items = [(landing[j], tag) for j, tag in post]
-                group.rest += self.transport.recv_many(op.peer_global, items)
+            self._recv_pieces(group, codec.announced_pieces(spec, room))
             posted[op.bucket] = group
         _phase(phases, "transfer", t)
         return True
@@ -633,11 +630,7 @@ class Reader(_Session):
         if ahead is not None:
             heads[ahead.bucket] = self._recv_directories(ahead)
         if landing is not None:  # in place where the live tensors allow, else staged
-            n = 0
-            for post in self._piece_posts[first.bucket]:
-                items = [(landing[j], tag) for j, tag in post]
-                group.rest += self.transport.recv_many(first.peer_global, items)
-                n += sum(landing[j].numel() for j, _ in post)
+            n = self._recv_pieces(group, landing)
         elif n:  # (no frames, nothing changed: the writer sends no second message)
             tag = rest_tag(first, len(self.plan.buckets))
             group.rest = [self.transport.recv(first.peer_global, group.buf[:n], tag)]
@@ -646,6 +639,16 @@ class Reader(_Session):
             heads[nxt.bucket] = self._recv_directories(nxt)
         _phase(phases, "transfer", t)
         return len(raw) + n
+
+    def _recv_pieces(self, group: _Group, landing: Sequence[torch.Tensor]) -> int:
+        """Post the receives of a group that travels as pieces, each where it lands
+        (``landing``), in the posts both sides make of them; return their bytes."""
+        assert self.transport is not None
+        first = group.spec.ops[0]
+        for post in self._piece_posts[first.bucket]:
+            items = [(landing[j], tag) for j, tag in post]
+            group.rest += self.transport.recv_many(first.peer_global, items)
+        return sum(t.numel() for t in landing)
 
     def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> None:
         """Wait for a whole group and apply it to the live tensors."""

@@ -40,9 +40,9 @@ contiguous live bytes, leaving the SMs to the sends) after a compare of every 16
 each of its routes counts its changes, so that it is compared again once some route would go
 sparse (when its groups travel as pieces, from the live tensors, only the sample's tiles of
 the shadow are brought up to date, and the window goes dense once more, copied whole, before
-it is compared: the copies beside the sends slowed NCCL's kernels); on the torch path, or where some route is computed (FP8, a cast), its compare pass
-does both, queued after the previous window's sends, which a compare grid queued first would
-hold back. Readers apply a window's group of buckets with a launch or two (per element
+it is compared: the copies beside the sends slowed NCCL's kernels); on the torch path, or
+where some route is computed (FP8, a cast), its compare pass does both, queued after the
+previous window's sends, which a compare grid queued first would hold back. Readers apply a window's group of buckets with a launch or two (per element
 size): a copy of the dense frames that go to contiguous regions, and one that writes the
 other dense frames and scatters every sparse frame into the live tensors, after one small
 device-to-host copy of the group's directories and one small host-to-device copy of where
@@ -760,6 +760,9 @@ class _Layout:
     """With :attr:`DeltaConfig.pieces`, per group (its first bucket): where its pieces
     (:attr:`Group.pieces`) come from, where every route's new values are live regions; else
     None."""
+    all_pieces: bool
+    """Whether every group of the window has its piece sources (:attr:`pieces`): sent dense,
+    it travels all as pieces from the live tensors."""
 
 
 class _Window:
@@ -942,8 +945,7 @@ class DeltaEncoder:
         for w in range(len(self._windows)):
             if w not in self._dense and w not in self._stale:
                 return False
-            lay = self._layout_of(w)
-            if any(lay.pieces.get(first) is None for first, _ in lay.groups):
+            if not self._layout_of(w).all_pieces:
                 return False
         return True
 
@@ -1207,7 +1209,7 @@ class DeltaEncoder:
             not decision.checksum
             and lay.copies is not None
             and self._goes_dense(w, decision)[0]
-            and all(lay.pieces.get(first) is not None for first, _ in lay.groups)
+            and lay.all_pieces
         )
 
     def _launch_later(self, w: int) -> None:
@@ -1305,6 +1307,7 @@ class DeltaEncoder:
             table=table if table is not None else _TorchWindow(routes, self.device),
             copies=_byte_runs(routes) if table is not None else None,
             pieces=pieces,
+            all_pieces=bool(pieces) and all(src is not None for src in pieces.values()),
         )
         return lay
 
@@ -1716,6 +1719,8 @@ class _Span:
     nbytes: np.ndarray
     offset: np.ndarray
     """Per route: its byte offset in its bucket's plain layout."""
+    unshifted: np.ndarray
+    """Per route: 0, the shift of frames that lie at their places (no room: :class:`_Room`)."""
 
     @classmethod
     def of(cls, ops: Sequence[BucketOp], routes: Mapping[int, _Routes]) -> _Span:
@@ -1740,6 +1745,7 @@ class _Span:
             isz=np.concatenate([s.isz for s in st]),
             nbytes=np.concatenate([s.nbytes for s in st]),
             offset=np.concatenate([s.offset for s in st]),
+            unshifted=np.zeros(int(counts.sum()), np.int64),
         )
 
     def routes_of(self, k: int) -> slice:
@@ -2224,7 +2230,7 @@ class DeltaDecoder:
             )
         # a group sent as pieces: those that landed in place are done
         skip = self._landing_of(span)[2] if d.flags[0] & FLAG_PIECES else None
-        shift = d.room.shift if d.room is not None else np.zeros(len(span.row), np.int64)
+        shift = d.room.shift if d.room is not None else span.unshifted
         if skip is not None and skip.all():
             pass  # every route landed in place: nothing to apply
         elif self._table is not None:
