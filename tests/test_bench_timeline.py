@@ -108,3 +108,41 @@ def test_traces_of_one_sync_are_lined_up_on_their_clock(tmp_path, capsys):
     assert main(pair) == 0
     printed = capsys.readouterr().out
     assert "S7-writer-0.trace.json: 4 GPU events" in printed and across(pair) in printed
+
+
+def test_the_host_work_before_each_sides_first_data_is_listed(tmp_path):
+    """Below each side, the ranges its host named (weightbus._trace.mark) and its CUDA calls
+    that began before its data stream did, on the same clock; later ones are left out."""
+    from weightbus.bench.timeline import across
+
+    nccl = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+
+    def host(name, cat, start_ms, dur_ms):
+        return {**_kernel(name, 0, start_ms, dur_ms, cat=cat), "args": {}}
+
+    writer = [
+        host("weightbus.holds", "user_annotation", -0.5, 0.25),
+        host("weightbus.unstaged", "user_annotation", 0.0, 1.5),
+        host("cudaHostAlloc", "cuda_runtime", 0.2, 0.5),
+        host("cudaHostAlloc", "cuda_runtime", 0.8, 0.25),
+        host("cudaLaunchKernel", "cuda_runtime", 1.0, 0.01),
+        host("aten::copy_", "cpu_op", 1.0, 1.0),  # not a named range
+        _kernel(nccl, 26, 2.0, 10.0),
+        host("weightbus.queued", "user_annotation", 3.0, 0.1),  # after the data began
+        host("cudaHostAlloc", "cuda_runtime", 3.0, 9.0),
+    ]
+    reader = [_kernel(nccl, 25, 1.0, 12.0)]
+    for name, events in (("S7-writer-0", writer), ("S7-reader-0", reader)):
+        (tmp_path / f"{name}.trace.json").write_text(json.dumps({"traceEvents": events}))
+    lines = across(sorted(tmp_path.glob("S7-*.trace.json")), most=1).splitlines()
+    assert lines[1].startswith("  S7-reader-0.trace.json: first GPU event 0.00")
+    assert lines[2].startswith("  S7-writer-0.trace.json: first GPU event 1.00")
+    assert lines[3] == "    host ranges before it, start (ms): holds -1.50 (0.25), 1 more"
+    assert lines[4] == (
+        "    CUDA calls before it: cudaHostAlloc 2 x 0.75 ms, cudaLaunchKernel 1 x 0.01 ms"
+    )
+    assert len(lines) == 5
+    again = across(sorted(tmp_path.glob("S7-*.trace.json"))).splitlines()
+    assert again[3] == (
+        "    host ranges before it, start (ms): holds -1.50 (0.25), unstaged -1.00 (1.50)"
+    )

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 
 from weightbus._session import SyncResult, _Deadline, _phase, _Session
+from weightbus._trace import mark
 from weightbus.codecs.delta import Group
 from weightbus.control.store import BEGIN, COMMIT
 from weightbus.errors import SyncTimeout, WeightbusError
@@ -216,12 +217,13 @@ class Reader(_Session):
                 held = self.codec.version
                 control.post(f"holds/{seq}", {"holds": held, "checksum": self._checksum})
                 self._told = seq
-            begins = control.gather(
-                f"begin/{seq}",
-                role="writer",
-                timeout=cfg.step_timeout if timeout is None else timeout,
-                schema=BEGIN,
-            )
+            with mark("begin"):
+                begins = control.gather(
+                    f"begin/{seq}",
+                    role="writer",
+                    timeout=cfg.step_timeout if timeout is None else timeout,
+                    schema=BEGIN,
+                )
         except SyncTimeout:
             raise  # no sync began: nothing is half done, the reader may wait again
         except BaseException as exc:
@@ -529,8 +531,9 @@ class Reader(_Session):
             if early is not None:
                 raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
                 t = time.perf_counter()
-                early.parts, _ = codec.take_group(spec, raw, early.buf)
-                codec.check_announced(spec)  # (pieces, in its room, the next directories ahead)
+                with mark("take_group"):
+                    early.parts, _ = codec.take_group(spec, raw, early.buf)
+                    codec.check_announced(spec)  # (pieces, its room, the next directories ahead)
                 _phase(phases, "unpack", t)
                 received += len(raw) + sum(h.nbytes for h in early.rest)
                 pending.append(early)
@@ -579,14 +582,15 @@ class Reader(_Session):
             chain.append((op, spec, room))
             op = codec.next_group(op)
         t = time.perf_counter()
-        heads[first.bucket] = self._recv_directories(first)
-        for i, (op, spec, room) in enumerate(chain):
-            if i + 1 < len(chain):  # the next group's directories travel ahead of these pieces
-                nxt = chain[i + 1][0]
-                heads[nxt.bucket] = self._recv_directories(nxt)
-            group = _Group(spec, room, staged=False)
-            self._recv_pieces(group, codec.announced_pieces(spec, room))
-            posted[op.bucket] = group
+        with mark("post_announced"):
+            heads[first.bucket] = self._recv_directories(first)
+            for i, (op, spec, room) in enumerate(chain):
+                if i + 1 < len(chain):  # the next group's directories travel ahead of its pieces
+                    nxt = chain[i + 1][0]
+                    heads[nxt.bucket] = self._recv_directories(nxt)
+                group = _Group(spec, room, staged=False)
+                self._recv_pieces(group, codec.announced_pieces(spec, room))
+                posted[op.bucket] = group
         _phase(phases, "transfer", t)
         return True
 
@@ -605,9 +609,11 @@ class Reader(_Session):
         assert self.transport is not None
         # waiting is transfer time, reading the directories unpack
         t = time.perf_counter()
-        self.transport.wait([head], deadline.left())
+        with mark("wait_directories"):
+            self.transport.wait([head], deadline.left())
         t = _phase(phases, "transfer", t)
-        raw = self._directory_at[first.bucket].cpu().numpy().tobytes()
+        with mark("read_directories"):
+            raw = self._directory_at[first.bucket].cpu().numpy().tobytes()
         _phase(phases, "unpack", t)
         return raw
 
@@ -623,9 +629,10 @@ class Reader(_Session):
         first = group.spec.ops[0]
         # reading the directories is unpack time, posting receives transfer
         t = time.perf_counter()
-        group.parts, n = codec.take_group(group.spec, raw, group.buf)
-        ahead = codec.ahead(first)
-        landing = codec.pieces(group.spec, group.buf)
+        with mark("take_group"):
+            group.parts, n = codec.take_group(group.spec, raw, group.buf)
+            ahead = codec.ahead(first)
+            landing = codec.pieces(group.spec, group.buf)
         t = _phase(phases, "unpack", t)
         if ahead is not None:
             heads[ahead.bucket] = self._recv_directories(ahead)
@@ -653,10 +660,12 @@ class Reader(_Session):
     def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> None:
         """Wait for a whole group and apply it to the live tensors."""
         t = time.perf_counter()
-        self.transport.wait(group.rest, deadline.left())
+        with mark("wait_group"):
+            self.transport.wait(group.rest, deadline.left())
         phases["transfer"] += time.perf_counter() - t
         t = time.perf_counter()
-        self.codec.unpack_group(group.parts, group.buf)
+        with mark("unpack_group"):
+            self.codec.unpack_group(group.parts, group.buf)
         phases["unpack"] += time.perf_counter() - t
         if self._verifier is not None:
             t = time.perf_counter()

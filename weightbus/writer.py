@@ -9,6 +9,7 @@ from collections import deque
 import torch
 
 from weightbus._session import Progress, SyncResult, _Deadline, _phase, _Session
+from weightbus._trace import mark
 from weightbus.codecs.fp8 import AmaxReduce
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
@@ -98,11 +99,12 @@ class Writer(_Session):
         verifier = self._verifier
         t_start = time.perf_counter()
         try:
-            transport.begin()
-            # deltas: whether every group travels as pieces, so that readers post every
-            # receive at once (DeltaConfig.announce)
-            announce = self.codec is not None and self.codec.announce()
-            control.post(f"begin/{seq}", {"version": version, "pieces": announce})
+            with mark("begin"):
+                transport.begin()
+                # deltas: whether every group travels as pieces, so that readers post every
+                # receive at once (DeltaConfig.announce)
+                announce = self.codec is not None and self.codec.announce()
+                control.post(f"begin/{seq}", {"version": version, "pieces": announce})
             total = sent = self.bytes_per_sync
             done = 0
             if verifier is not None:
@@ -230,9 +232,10 @@ class Writer(_Session):
             # deltas: each reader says what its tensors hold, so one that missed a version
             # or lost its weights gets every byte
             t = time.perf_counter()
-            states = control.gather(
-                f"holds/{seq}", role="reader", timeout=deadline.left(), schema=HOLDS
-            )
+            with mark("holds"):
+                states = control.gather(
+                    f"holds/{seq}", role="reader", timeout=deadline.left(), schema=HOLDS
+                )
             index = {lay.name: i for i, lay in enumerate(self.plan.readers)}
             held: list[int | None] = [None] * len(index)
             for name, state in states.items():
@@ -244,7 +247,8 @@ class Writer(_Session):
         t = time.perf_counter()
         # FP8: the amax pass and the writers' all-reduce; where buckets go ahead of its check
         # (they need no scales), it is queued below, once they are packed
-        codec.begin(version, scales_later=bool(ahead), announced=announced)
+        with mark("codec_begin"):
+            codec.begin(version, scales_later=bool(ahead), announced=announced)
         phases["pack"] += time.perf_counter() - t
         self._directories = []
         self._ahead = set()
@@ -356,10 +360,12 @@ class Writer(_Session):
             if progress is not None:
                 progress(done, total)
         t = time.perf_counter()
-        codec.check()  # where nothing else was sent, the weights' fault is still this sync's
-        codec.end()  # (deltas: reads the counts of the windows sent dense, after their copies)
+        with mark("end"):
+            codec.check()  # where nothing else was sent, the weights' fault is still this sync's
+            codec.end()  # (deltas: reads the counts of the windows sent dense, after copies)
         t = _phase(phases, "pack", t)
-        transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
+        with mark("wait"):
+            transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
         phases["transfer"] += time.perf_counter() - t
         self._directories = []
         return sent
@@ -369,7 +375,8 @@ class Writer(_Session):
         (its window analyzed to know: pack time)."""
         assert self.codec is not None
         t = time.perf_counter()
-        unstaged = self.codec.unstaged(op)
+        with mark("unstaged"):
+            unstaged = self.codec.unstaged(op)
         _phase(phases, "pack", t)
         return unstaged
 
@@ -402,7 +409,8 @@ class Writer(_Session):
         # encoding is pack time, posting the sends (their directories' copies too) transfer
         t = time.perf_counter()
         # the rest: one message (in buf, or the shadow's) or the pieces (live, or in buf)
-        directories, rest = self.codec.pack_group(op, buf)
+        with mark("pack_group"):
+            directories, rest = self.codec.pack_group(op, buf)
         t = _phase(phases, "pack", t)
         handles: list[Handle] = []
         if op.bucket in self._ahead:
@@ -410,21 +418,24 @@ class Writer(_Session):
         else:
             handles.append(self._send_directories(op, directories))
         t = _phase(phases, "transfer", t)
-        nxt = self.codec.ahead(op)
+        with mark("ahead"):
+            nxt = self.codec.ahead(op)
         t = _phase(phases, "pack", t)
         if nxt is not None:
             handles.append(self._send_directories(*nxt))
             self._ahead.add(nxt[0].bucket)
-        if rest and rest[0][0] < 0:
-            handles.append(self.transport.send(op.peer_global, rest[0][1], rest_tag(op, nb)))
-        elif rest:
-            for post in self._piece_posts[op.bucket]:
-                handles += self.transport.send_many(
-                    op.peer_global, [(rest[j][1], tag) for j, tag in post]
-                )
+        with mark("send"):
+            if rest and rest[0][0] < 0:
+                handles.append(self.transport.send(op.peer_global, rest[0][1], rest_tag(op, nb)))
+            elif rest:
+                for post in self._piece_posts[op.bucket]:
+                    handles += self.transport.send_many(
+                        op.peer_global, [(rest[j][1], tag) for j, tag in post]
+                    )
         # (no rest: nothing changed in the group, no second message)
         t = _phase(phases, "transfer", t)
-        self.codec.queued(op)
+        with mark("queued"):
+            self.codec.queued(op)
         _phase(phases, "pack", t)
         return handles, sum(h.nbytes for h in handles)
 

@@ -20,7 +20,10 @@ Given the traces of several participants of one sync (one host, so one clock),
 kernel began, and when its data stream (the stream with the most transfer time) began and
 ended, in milliseconds from the earliest first GPU event among them. A side whose data
 stream starts late posted its first message late (a reader reading directories, a writer
-analyzing its first window). ``weightbus bench gpu`` writes ``<scenario>.across.txt`` so.
+analyzing its first window). Below each, what its host did before that stream began: the
+ranges the writer and reader name (``weightbus.<step>``, :func:`weightbus._trace.mark`) with
+their start and length, and its CUDA calls by name. ``weightbus bench gpu`` writes
+``<scenario>.across.txt`` so.
 
 Usage: ``python -m weightbus.bench.timeline TRACE.json [TRACE.json ...] [--gap-ms 0.2]``.
 """
@@ -37,6 +40,8 @@ __all__ = ["across", "summarize", "write_across", "write_summary"]
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _TRANSFER = "nccl"
+_MARK = "weightbus."  # the host ranges weightbus._trace.mark records
+_CALLS = ("cuda_runtime", "cuda_driver")
 
 
 def _events(trace: dict) -> list[dict]:
@@ -132,12 +137,46 @@ def write_summary(trace: str | Path, **kwargs) -> Path:
     return out
 
 
-def across(paths: Sequence[str | Path]) -> str:
+def _host(trace: dict, t0: float, until: float, most: int) -> list[str]:
+    """The host's named ranges and CUDA calls that began before ``until`` (the trace's
+    clock, microseconds), in milliseconds from ``t0``: at most ``most`` ranges, oldest first."""
+    host = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and "dur" in e and float(e["ts"]) < until
+    ]
+    marks = sorted(
+        (e for e in host if e.get("cat") == "user_annotation" and e["name"].startswith(_MARK)),
+        key=lambda e: float(e["ts"]),
+    )
+    lines = []
+    if marks:
+        shown = [
+            f"{e['name'][len(_MARK) :]} {(float(e['ts']) - t0) / 1000.0:.2f} "
+            f"({float(e['dur']) / 1000.0:.2f})"
+            for e in marks[:most]
+        ]
+        more = f", {len(marks) - most} more" if len(marks) > most else ""
+        lines.append(f"    host ranges before it, start (ms): {', '.join(shown)}{more}")
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in host:
+        if e.get("cat") in _CALLS:
+            calls[e["name"]][0] += 1
+            calls[e["name"]][1] += float(e["dur"])
+    if calls:
+        top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
+        text = ", ".join(f"{name} {int(n)} x {us / 1000.0:.2f} ms" for name, (n, us) in top)
+        lines.append(f"    CUDA calls before it: {text}")
+    return lines
+
+
+def across(paths: Sequence[str | Path], *, most: int = 30) -> str:
     """The traces at ``paths`` (participants of one sync on one host) lined up on their
-    common clock: see the module docstring."""
-    rows = []
+    common clock: see the module docstring; ``most``: named host ranges listed per trace."""
+    rows, traces = [], []
     for path in paths:
-        events = _events(json.loads(Path(path).read_text()))
+        trace = json.loads(Path(path).read_text())
+        events = _events(trace)
         transfers = [e for e in events if _TRANSFER in e["name"].lower()]
         by_stream: dict[object, list[dict]] = defaultdict(list)
         for e in transfers:
@@ -155,12 +194,13 @@ def across(paths: Sequence[str | Path]) -> str:
         rows.append(
             (Path(path).name, first, float(transfers[0]["ts"]) if transfers else None, data)
         )
+        traces.append(trace)
     firsts = [r[1] for r in rows if r[1] is not None]
     if not firsts:
         return f"{len(rows)} traces: no GPU events\n"
     t0 = min(firsts)
     lines = [f"{len(rows)} traces on one clock, ms from the earliest first GPU event:"]
-    for name, first, transfer, data in rows:
+    for (name, first, transfer, data), trace in zip(rows, traces, strict=True):
         if first is None:
             lines.append(f"  {name}: no GPU events")
             continue
@@ -174,6 +214,8 @@ def across(paths: Sequence[str | Path]) -> str:
                 f"{(end - t0) / 1000.0:.2f} ({busy / 1000.0:.2f} ms busy)"
             )
         lines.append(text)
+        if data is not None:
+            lines += _host(trace, t0, data[1], most)
     return "\n".join(lines) + "\n"
 
 

@@ -114,6 +114,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightbus._trace import mark
 from weightbus.errors import WeightbusError
 from weightbus.plan.program import BucketOp, pack
 
@@ -1190,9 +1191,11 @@ class DeltaEncoder:
             if self._deferred(w, decision):
                 self._later[w] = win  # launched once its first group's sends are posted
             else:
-                self._launch(w, win)
+                with mark("launch"):
+                    self._launch(w, win)
         if win.meta is None:
-            self._analyze(w, win, decision)
+            with mark("analyze"):
+                self._analyze(w, win, decision)
         return win
 
     def _deferred(self, w: int, decision: DeltaDecision) -> bool:
