@@ -477,7 +477,8 @@ def test_codec_mismatch_is_refused_at_connect_naming_both_sides(
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("rooms", "announce"), [(True, False), (False, False), (True, True), (False, True)]
+    ("rooms", "announce"),
+    [("both", False), ("none", False), ("both", True), ("none", True), ("writer", True)],
 )
 def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, announce):
     """Writers whose weights are the wire's (bf16: no cast) send each group of plain
@@ -486,12 +487,13 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, an
     a sync where every route changed, then ones sent dense on a guess, and sparse ones
     between, bit exact after each (readers poisoned before every sync that is all pieces).
     The writers stage small pieces in rooms of their own, without a staging buffer, and so
-    do the readers, or (``rooms`` off: no room for them) in a staging buffer. The messages
-    of a group on each link are posted in the same groups and sizes on both sides, as NCCL
-    needs. With ``announce`` (``DeltaConfig.announce``), a writer whose every window goes
-    dense for sure says so at the sync's begin, and readers with rooms post every receive
-    of its groups at once, before reading any directory; without rooms they read them
-    first, as usual."""
+    do the readers (``rooms`` both), or in a staging buffer (none, or the readers': writer).
+    The messages of a group on each link are posted in the same groups and sizes on both
+    sides, as NCCL needs. With ``announce`` (``DeltaConfig.announce``), a writer with rooms
+    whose every window goes dense for sure says so at the sync's begin and sends each
+    group's pieces before its directories; readers with rooms post every receive of its
+    groups at once, before reading any directory; without, each group's pieces into a
+    staging buffer, its directories read when it is applied."""
     from weightbus import BoundLayout, Participant, Reader, Writer
     from weightbus.codecs import DeltaConfig
     from weightbus.codecs.delta import DeltaDecoder, DeltaEncoder
@@ -501,8 +503,11 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, an
     from weightbus.plan import allocate, fill_from_canonical, poison
 
     monkeypatch.setattr("weightbus.codecs.delta.PIECE_BYTES", 40 << 10)
-    if not rooms:
+    if rooms == "none":
         monkeypatch.setattr("weightbus.codecs.delta.PIECES_AREA_BYTES", 0)
+    elif rooms == "writer":  # readers without rooms: their pieces staged
+        monkeypatch.setattr(DeltaDecoder, "room", lambda self, ops, raw: None)
+        monkeypatch.setattr(DeltaDecoder, "announced_room", lambda self, ops: None)
     model = model_spec(DELTA_MODEL)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     n_w = n_r = 2
@@ -532,10 +537,10 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, an
     monkeypatch.setattr(DeltaDecoder, "pieces", pieces)
     real_announced = DeltaDecoder.announced_pieces
 
-    def announced_pieces(self, ops, room):  # (posted before the directories were read)
-        out = real_announced(self, ops, room)
+    def announced_pieces(self, ops, buf, *, in_room):  # (posted before the directories)
+        out = real_announced(self, ops, buf, in_room=in_room)
         landed.append((self.name, len(out)))
-        roomed.append(True)
+        roomed.append(in_room)
         return out
 
     monkeypatch.setattr(DeltaDecoder, "announced_pieces", announced_pieces)
@@ -647,18 +652,19 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, an
             recvs = [n for peer, n in posted if peer == w]
             assert sends and sends == recvs, (w, r)
             assert any(len(n) > 1 for n in sends)  # (pieces posted together)
-    assert unstaged and set(unstaged) == {rooms}, unstaged
-    assert roomed and set(roomed) == {rooms}, roomed  # the readers' too
+    assert unstaged and set(unstaged) == {rooms != "none"}, unstaged
+    assert roomed and set(roomed) == {rooms == "both"}, roomed  # the readers'
     # announced: the syncs after one where every route changed (4: 60% again, 5: 1%, still
     # sent dense on a guess); 6 is compared again. Readers with rooms posted every receive
     # of each writer's groups at once in those syncs, in the order the writers sent them
     by_writer: dict[str, list[bool]] = {}
     for name, told in said:
         by_writer.setdefault(name, []).append(told)
-    want = [False, False, False, announce, announce, False]
+    told = announce and rooms != "none"  # (a writer without rooms does not announce)
+    want = [False, False, False, told, told, False]
     assert len(by_writer) == n_w and all(v == want for v in by_writer.values()), by_writer
     eager_per_reader = collections.Counter(eager)
-    expected = {f"reader-{r}": 2 * n_w for r in range(n_r)} if announce and rooms else {}
+    expected = {f"reader-{r}": 2 * n_w for r in range(n_r)} if told and rooms == "both" else {}
     assert eager_per_reader == expected, (eager_per_reader, expected)
     for name, result in out.items():  # each phase counted once: together within the sync
         for res in result[-1]:

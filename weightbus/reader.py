@@ -507,9 +507,11 @@ class Reader(_Session):
         writers overlap meanwhile. A group sent as pieces whose staged pieces have a room of
         their own takes no staging buffer: its receives are posted as soon as its directories
         are read. From a writer that announced every group as pieces (``announced``, writer
-        indices: its begin message, ``DeltaConfig.announce``), every receive of its groups is
-        posted at once where each has a room (:meth:`_post_announced`), and the directories
-        are read and checked as they arrive.
+        indices: its begin message, ``DeltaConfig.announce``), each group's directories follow
+        its pieces: every receive of its groups is posted at once where each has a room
+        (:meth:`_post_announced`), and the directories are read and checked as they arrive;
+        else each group's pieces land in a staging buffer, posted as one is free, and its
+        directories are read when it is applied.
         """
         codec = self.codec
         assert codec is not None
@@ -518,36 +520,50 @@ class Reader(_Session):
         pending: deque[_Group] = deque()  # oldest first
         heads: dict[int, Handle] = {}  # per group (first bucket): its directories' receive
         posted: dict[int, _Group] = {}  # per group posted ahead of its directories
+        eager: dict[int, bool] = {}  # per writer that announced: every receive posted at once?
         received = 0
-        for op in self.ops:
-            spec = codec.group_of(op)
-            if spec is None:
-                continue  # it comes with its group
-            if op.bucket not in heads and op.bucket not in posted:  # its writer's first group
-                # from a writer that announced every group as pieces: all receives at once
-                if not (op.peer in announced and self._post_announced(op, heads, posted, phases)):
-                    heads[op.bucket] = self._recv_directories(op)
-            early = posted.pop(op.bucket, None)
-            if early is not None:
-                raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
-                t = time.perf_counter()
-                with mark("take_group"):
-                    early.parts, _ = codec.take_group(spec, raw, early.buf)
-                    codec.check_announced(spec)  # (pieces, its room, the next directories ahead)
-                _phase(phases, "unpack", t)
-                received += len(raw) + sum(h.nbytes for h in early.rest)
-                pending.append(early)
-                continue
-            raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
-            # a group sent as pieces whose staged ones have a room of their own takes no
-            # staging buffer: its receives are posted at once
-            room = codec.room(spec, raw)
-            while room is None and not free:
+
+        def take_buffer() -> torch.Tensor:
+            while not free:
                 group = pending.popleft()  # (groups in rooms on the way are applied too)
                 self._decode_group(group, deadline, phases)
                 if group.staged:
                     free.append(group.buf)
-            group = _Group(spec, free.popleft() if room is None else room, staged=room is None)
+            return free.popleft()
+
+        for op in self.ops:
+            spec = codec.group_of(op)
+            if spec is None:
+                continue  # it comes with its group
+            if op.peer in announced:
+                if op.peer not in eager:  # its first group: all receives at once, with rooms
+                    eager[op.peer] = self._post_announced(op, heads, posted, phases)
+                early = posted.pop(op.bucket, None)
+                if early is not None:
+                    raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
+                    t = time.perf_counter()
+                    with mark("take_group"):
+                        early.parts, _ = codec.take_group(spec, raw, early.buf)
+                        codec.check_announced(spec, in_room=True)
+                    _phase(phases, "unpack", t)
+                    received += len(raw) + sum(h.nbytes for h in early.rest)
+                else:  # (some group has no room) its pieces into a staging buffer
+                    early = _Group(spec, take_buffer())
+                    t = time.perf_counter()
+                    pieces = codec.announced_pieces(spec, early.buf, in_room=False)
+                    received += self._recv_pieces(early, pieces)
+                    early.head = self._recv_directories(op)  # read when it is applied
+                    received += self._directory_at[op.bucket].numel()
+                    _phase(phases, "transfer", t)
+                pending.append(early)
+                continue
+            if op.bucket not in heads:  # its writer's first group
+                heads[op.bucket] = self._recv_directories(op)
+            raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
+            # a group sent as pieces whose staged ones have a room of their own takes no
+            # staging buffer: its receives are posted at once
+            room = codec.room(spec, raw)
+            group = _Group(spec, take_buffer() if room is None else room, staged=room is None)
             received += self._post_group(group, raw, heads, phases)
             pending.append(group)
         while pending:
@@ -563,11 +579,10 @@ class Reader(_Session):
     ) -> bool:
         """Post every receive of the groups from the writer of the group ``first`` starts (its
         first to this reader), which announced every group as pieces: in the order it sends
-        them, each group's directories, the next group's, then the group's pieces (into the
-        live tensors, or its room), so that nothing waits for a directory to be read (a profile
-        of S7 at 50% changed on two H100s had a reader's first pieces posted 3.5 ms after its
-        first directories' receive). The groups go into ``posted``, their directories'
-        receives into ``heads``. Returns False, posting nothing, where some group has no room
+        them, each group's pieces (into the live tensors, or its room), then its directories,
+        so that nothing waits for a directory to be read (a profile of S7 at 50% changed on
+        two H100s had a reader's first pieces posted 3.5 ms after its first directories'
+        receive). The groups go into ``posted``, their directories' receives into ``heads``. Returns False, posting nothing, where some group has no room
         of its own: then the directories are read first, as without an announcement."""
         codec = self.codec
         assert codec is not None and self.transport is not None
@@ -583,13 +598,10 @@ class Reader(_Session):
             op = codec.next_group(op)
         t = time.perf_counter()
         with mark("post_announced"):
-            heads[first.bucket] = self._recv_directories(first)
-            for i, (op, spec, room) in enumerate(chain):
-                if i + 1 < len(chain):  # the next group's directories travel ahead of its pieces
-                    nxt = chain[i + 1][0]
-                    heads[nxt.bucket] = self._recv_directories(nxt)
+            for op, spec, room in chain:
                 group = _Group(spec, room, staged=False)
-                self._recv_pieces(group, codec.announced_pieces(spec, room))
+                self._recv_pieces(group, codec.announced_pieces(spec, room, in_room=True))
+                heads[op.bucket] = self._recv_directories(op)  # (they follow its pieces)
                 posted[op.bucket] = group
         _phase(phases, "transfer", t)
         return True
@@ -658,7 +670,17 @@ class Reader(_Session):
         return sum(t.numel() for t in landing)
 
     def _decode_group(self, group: _Group, deadline: _Deadline, phases: dict[str, float]) -> None:
-        """Wait for a whole group and apply it to the live tensors."""
+        """Wait for a whole group and apply it to the live tensors (an announced group in a
+        staging buffer: once its directories, which follow its pieces, are read)."""
+        if group.head is not None:
+            assert self.codec is not None
+            first = group.spec.ops[0]
+            raw = self._read_directories(first, group.head, deadline, phases)
+            group.head = None
+            t = time.perf_counter()
+            group.parts, _ = self.codec.take_group(group.spec, raw, group.buf)
+            self.codec.check_announced(group.spec, in_room=False)
+            phases["unpack"] += time.perf_counter() - t
         t = time.perf_counter()
         with mark("wait_group"):
             self.transport.wait(group.rest, deadline.left())
@@ -678,7 +700,7 @@ class _Group:
     """A writer window's buckets to this reader being received: its staging buffer, then
     where each bucket lands there and the handles of their receives."""
 
-    __slots__ = ("buf", "parts", "rest", "spec", "staged")
+    __slots__ = ("buf", "head", "parts", "rest", "spec", "staged")
 
     def __init__(self, spec: Group, buf: torch.Tensor, staged: bool = True) -> None:
         self.spec, self.buf = spec, buf
@@ -688,6 +710,9 @@ class _Group:
         """Each bucket and where it starts in ``buf``, once the directories were read."""
         self.rest: list[Handle] = []
         """The receives of its buckets: one message, or its pieces."""
+        self.head: Handle | None = None
+        """The receive of its directories, where they are read when it is applied (an
+        announced group whose pieces went into a staging buffer)."""
 
 
 def _free_memory(device: torch.device) -> int:

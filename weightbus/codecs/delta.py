@@ -87,11 +87,13 @@ header has flag 8 (``FLAG_PIECES``), as its pieces instead of its second message
 (:func:`group_pieces`, the same on both sides): each from the writer's tensors where it lies
 contiguous there, each into the reader's where it does there, the others staged (in rooms
 of their own where they fit, so that such a group takes no staging buffer on either side).
-With :attr:`DeltaConfig.announce`, a writer whose every window goes dense for sure says in
-its begin message that every group of its travels as pieces with the next group's
-directories ahead (:meth:`DeltaEncoder.announce`); a reader with a room for each of those
-groups then posts all their receives at once, in that order, and checks each group's
-directories as they arrive (:meth:`DeltaDecoder.check_announced`).
+With :attr:`DeltaConfig.announce`, a writer whose every window goes dense for sure and
+whose every group has a room says in its begin message that every group of its travels as
+pieces, each group's directories after its pieces (:meth:`DeltaEncoder.announce`): it sends
+a group's pieces before analyzing its window (:meth:`DeltaEncoder.announced_pieces`); a
+reader with a room for each of those groups then posts all their receives at once, in that
+order, and checks each group's directories as they arrive
+(:meth:`DeltaDecoder.check_announced`).
 
 When the writer sends dense (:class:`DeltaPolicy`): the first sync (nothing sent before),
 to a reader whose acknowledged version is not the one the shadow holds (it missed a sync or
@@ -203,14 +205,16 @@ class DeltaConfig:
 
     announce: bool = False
     """Whether a writer says at a sync's begin (its ``begin`` message) when every group of
-    its will travel as pieces with the next group's directories ahead of its buckets (every
-    window goes dense for sure, :meth:`DeltaEncoder.announce`); readers then post every
-    receive of that writer's groups at once, as syncs without codecs do, instead of reading
-    each group's directories first. In a profile of S7 at 50% changed (two H100s), a reader
-    posted its first pieces about 3.5 ms after its first directories' receive, while the
-    writer's link was ready: the reader's host noticing their arrival, reading them and
-    posting. Off by default until measured on GPUs. Writer-side only (readers follow the
-    announcement where every group has a room of its own, else read directories first)."""
+    its will travel as pieces, each group's directories after its pieces (every window goes
+    dense for sure, :meth:`DeltaEncoder.announce`); the writer then posts a group's pieces
+    before it analyzes the group's window, and launches the windows' copies and sample
+    passes once every group is posted; readers post every receive of that writer's groups
+    at once, as syncs without codecs do, instead of reading each group's directories first.
+    In a profile of S7 at 50% changed (two H100s), a reader posted its first pieces about
+    3.5 ms after its first directories' receive, and the writer its first 2.4 ms after its
+    first GPU event (analyzing its first two windows), while the link waited. Writer-side
+    only (readers follow the announcement where every group has a room of their own, else
+    read directories first)."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
@@ -928,26 +932,34 @@ class DeltaEncoder:
         """This sync's buckets sent as pieces (:meth:`sent_live`)."""
         self._announced = False
         """Whether this sync's begin announced every group as pieces (:meth:`announce`)."""
+        self._early: set[int] = set()
+        """This sync's groups (first buckets) whose pieces went before their window was
+        analyzed (:meth:`announced_pieces`)."""
 
     def shadow_of(self, op: BucketOp) -> torch.Tensor:
         base = self._buckets[op.bucket].base
         return self.shadow[base : base + op.nbytes]
 
     def announce(self) -> bool:
-        """Whether the sync about to begin sends every group as pieces, each with the next
-        group's directories ahead of its buckets, whatever its decision says (dense readers,
-        a checksum): :attr:`DeltaConfig.announce` and pieces are on, the shadow is on this
-        device, every window goes dense for sure (sent dense on a guess, or stale:
-        :meth:`_goes_dense`) and every group's routes are live regions. The writer says so
-        in its begin message and passes it to :meth:`begin`; readers may then post every
-        receive of its groups at once, in the order it sends them."""
+        """Whether the sync about to begin sends every group as pieces, its directories
+        after them, whatever its decision says (dense readers, a checksum):
+        :attr:`DeltaConfig.announce` and pieces are on, the shadow is on this device, every
+        window goes dense for sure (sent dense on a guess, or stale: :meth:`_goes_dense`),
+        every group's routes are live regions and its staged pieces fit its room. The
+        writer says so in its begin message and passes it to :meth:`begin`; readers may then
+        post every receive of its groups at once, in the order it sends them."""
         if not (self.config.announce and self.config.pieces and self._local):
             return False
         for w in range(len(self._windows)):
             if w not in self._dense and w not in self._stale:
                 return False
-            if not self._layout_of(w).all_pieces:
+            lay = self._layout_of(w)
+            if not lay.all_pieces:
                 return False
+            for first, src in lay.pieces.items():
+                assert src is not None  # (all_pieces)
+                if self._room(first, src) is None:
+                    return False
         return True
 
     def begin(self, decision: DeltaDecision, *, announced: bool = False) -> None:
@@ -959,6 +971,7 @@ class DeltaEncoder:
         self._later.clear()
         self._done.clear()
         self._in_pieces.clear()
+        self._early.clear()
         self._directories.clear()
         self._ahead.clear()
 
@@ -983,6 +996,7 @@ class DeltaEncoder:
         self._open.clear()
         self._done.clear()
         self._in_pieces.clear()
+        self._early.clear()
         self._directories.clear()
         self._ahead.clear()
 
@@ -1020,12 +1034,51 @@ class DeltaEncoder:
             return False
         win = self._ready(w, self._decision)
         src = win.lay.pieces.get(op.bucket)
-        return op.bucket in win.pieces and src is not None and self._room(op, src) is not None
+        return (
+            op.bucket in win.pieces and src is not None and self._room(op.bucket, src) is not None
+        )
 
-    def _room(self, op: BucketOp, src: _PieceSources) -> torch.Tensor | None:
-        """Group ``op``'s room for its staged pieces in :attr:`pieces_area`, where they fit."""
-        at, size = self._rooms.get(op.bucket, (0, -1))
+    def _room(self, first: int, src: _PieceSources) -> torch.Tensor | None:
+        """The room of the group bucket ``first`` starts for its staged pieces in
+        :attr:`pieces_area`, where they fit."""
+        at, size = self._rooms.get(first, (0, -1))
         return self.pieces_area[at : at + src.staged] if src.staged <= size else None
+
+    @torch.no_grad()
+    def announced_pieces(self, op: BucketOp) -> list[tuple[int, torch.Tensor]]:
+        """In a sync announced as pieces (:meth:`announce`): the pieces of the group bucket
+        ``op`` starts, as :meth:`encode_group` gives them, from the window's layout alone (the
+        live tensors, and its room for the staged ones, copied there on the current stream),
+        so that they leave before the window is analyzed; :meth:`encode_group` then gives
+        only the group's directories. Each stays untouched until the sync ends."""
+        group = self.group(op)
+        src = (
+            None
+            if group is None
+            else self._layout_of(self._window_of[op.bucket]).pieces.get(op.bucket)
+        )
+        room = None if src is None else self._room(op.bucket, src)
+        if not self._announced or group is None or src is None or room is None:
+            raise RuntimeError(
+                f"{self.name}: bucket {op.bucket} does not start a group of a sync announced "
+                "as pieces"
+            )
+        self._early.add(op.bucket)
+        return self._pieces(group, src, room)
+
+    @staticmethod
+    def _pieces(
+        group: Group, src: _PieceSources, room: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The pieces of ``group``: live bytes, or staged in ``room`` (copied now)."""
+        out = []
+        for j, piece in enumerate(group.pieces):
+            live = src.live[j]
+            if live is None:
+                live = room[src.at[j] : src.at[j] + piece.nbytes]
+                _copy_runs(live, src.runs[j])
+            out.append((j, live))
+        return out
 
     def sent_live(self, op: BucketOp) -> bool:
         """Whether bucket ``op`` went out in this sync as part of a group's pieces: its wire
@@ -1051,7 +1104,8 @@ class DeltaEncoder:
         none when nothing changed. A group of plain buckets whose routes are all live
         regions travels as its pieces instead (``FLAG_PIECES``): live bytes, or staged ones,
         in ``buf`` or, where ``buf`` is None (:meth:`unstaged`), in a room of the group's
-        own. Each stays untouched until the sync ends."""
+        own. Each stays untouched until the sync ends. A group whose pieces went already
+        (:meth:`announced_pieces`) gets its directories alone."""
         group = self.group(op)
         if group is None:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} does not start a group")
@@ -1063,20 +1117,15 @@ class DeltaEncoder:
         span = win.spans.pop(op.bucket)
         if pieces:
             # from the live tensors: the copies into the shadow run beside these sends
+            self._in_pieces.update(m.bucket for m in group.ops)
+            if op.bucket in self._early:
+                return directories, []  # (its pieces went before this analysis)
             src = win.lay.pieces[op.bucket]
             assert src is not None  # (as _analyze checked)
-            room = self._room(op, src) if buf is None else buf
+            room = self._room(op.bucket, src) if buf is None else buf
             if room is None:
                 raise RuntimeError(f"{self.name}: group {op.bucket} needs a buffer (unstaged)")
-            out = []
-            for j, piece in enumerate(group.pieces):
-                live = src.live[j]
-                if live is None:
-                    live = room[src.at[j] : src.at[j] + piece.nbytes]
-                    _copy_runs(live, src.runs[j])
-                out.append((j, live))
-            self._in_pieces.update(m.bucket for m in group.ops)
-            return directories, out
+            return directories, self._pieces(group, src, room)
         if buf is None:
             raise RuntimeError(f"{self.name}: group {op.bucket} needs a buffer (unstaged)")
         if span is None:  # every bucket plain: their bytes as the shadow holds them
@@ -1112,10 +1161,6 @@ class DeltaEncoder:
         assert self._decision is not None
         first = self._next[op.bucket]
         w = self._window_of[first]
-        if self._announced:
-            # launched (or deferred) first: with a checksum its directories read the shadow
-            self._ready(w, self._decision)
-            return self._groups[first][0], self._directories[first]
         win = self._open.get(w)
         if win is None:
             win = self._open[w] = self._open_window(w, self._decision)
@@ -1153,13 +1198,11 @@ class DeltaEncoder:
         ready by the time this group's buckets leave without waiting for the device: it is
         analyzed with this one, or its window goes dense (its directories follow from the
         plan; its compare pass only brings the shadow up to date, and runs once the window's
-        buckets are packed). In a sync announced as pieces (:meth:`announce`), always: the
-        readers posted their receives in that order."""
+        buckets are packed). In a sync announced as pieces (:meth:`announce`), never: each
+        group's directories follow its pieces, and the readers posted every receive."""
         nxt = self._next.get(first)
-        if nxt is None:
+        if nxt is None or self._announced:
             return False
-        if self._announced:
-            return True
         w2 = self._window_of[nxt]
         if w2 == w:
             return True
@@ -1937,31 +1980,34 @@ class DeltaDecoder:
         hit = self._rooms.get(tuple(op.bucket for op in ops))
         return None if hit is None else self.pieces_area[hit.at : hit.at + hit.nbytes]
 
-    def announced_pieces(self, ops: Sequence[BucketOp], room: torch.Tensor) -> list[torch.Tensor]:
-        """Where each piece of the group ``ops`` lands when it travels as pieces in its
-        ``room`` (:meth:`announced_room`), from the plan alone: as :meth:`pieces` gives once
-        its directories are taken."""
-        hit = self._rooms[tuple(op.bucket for op in ops)]
-        return self._lands(self._span(ops), room, hit.pieces)
+    def announced_pieces(
+        self, ops: Sequence[BucketOp], buf: torch.Tensor, *, in_room: bool
+    ) -> list[torch.Tensor]:
+        """Where each piece of the group ``ops`` lands when it travels as pieces, with
+        ``buf`` its room (:meth:`announced_room`, ``in_room``) or a staging buffer, from the
+        plan alone: as :meth:`pieces` gives once its directories are taken into ``buf``."""
+        places = self._rooms[tuple(op.bucket for op in ops)].pieces if in_room else None
+        return self._lands(self._span(ops), buf, places)
 
-    def check_announced(self, ops: Sequence[BucketOp], has_next: bool) -> None:
+    def check_announced(self, ops: Sequence[BucketOp], *, in_room: bool) -> None:
         """After :meth:`take_group` of a group whose writer announced every group as pieces
-        (its receives posted before its directories were read): raise unless they say it
-        travels as pieces, landed in its room, with the next group's directories ahead of
-        its buckets where there is a next group (``has_next``)."""
+        (its receives posted before its directories were read, which follow its pieces):
+        raise unless they say it travels as pieces, with no directories ahead of its
+        buckets, and landed in its room where it was posted there (``in_room``)."""
         d = self._read.get(ops[0].bucket)
         if d is None:
             raise RuntimeError(
                 f"{self.name}: the directories of bucket {ops[0].bucket} were not taken"
             )
         flags = int(d.flags[0])
-        if not flags & FLAG_PIECES or d.room is None or (has_next and not flags & FLAG_AHEAD):
+        roomless = in_room and d.room is None
+        if not flags & FLAG_PIECES or roomless or flags & FLAG_AHEAD:
             raise self._error(
                 ops[0],
-                f"its writer announced every group as pieces, the next group's directories "
-                f"ahead, but this group's first header has flags {flags:#x}"
-                f"{'' if d.room is not None else ' (not landed in its room)'}: the two sides "
-                "run different weightbus versions",
+                f"its writer announced every group as pieces, its directories after them "
+                f"and none ahead, but this group's first header has flags {flags:#x}"
+                f"{' (not landed in its room)' if roomless else ''}: the two sides run "
+                "different weightbus versions",
             )
 
     def _in_room(self, ops: Sequence[BucketOp], d: _Directories, buf: torch.Tensor) -> bool:

@@ -466,11 +466,22 @@ class WriterCodec:
             self.policy.request_checksum()
 
     def announce(self) -> bool:
-        """Deltas: whether the sync about to begin sends every group as pieces, the next
-        group's directories ahead of each group's buckets
+        """Deltas: whether the sync about to begin sends every group as pieces, each group's
+        directories after its pieces
         (:meth:`~weightbus.codecs.delta.DeltaEncoder.announce`): the writer says so in its
         begin message, and passes it to :meth:`begin`."""
         return self.encoder is not None and self.encoder.announce()
+
+    def announced_pieces(self, op: BucketOp) -> list[tuple[int, torch.Tensor]]:
+        """Deltas, in a sync announced as pieces: the pieces of the group bucket ``op``
+        starts, before its window is analyzed
+        (:meth:`~weightbus.codecs.delta.DeltaEncoder.announced_pieces`); :meth:`pack_group`
+        then gives its directories alone."""
+        if self._version is None or self.encoder is None:
+            raise RuntimeError(
+                f"writer {self.name!r}: begin(version) with deltas before announced_pieces"
+            )
+        return self.encoder.announced_pieces(op)
 
     def begin(
         self,
@@ -651,18 +662,21 @@ class ReaderCodec:
         assert self.decoder is not None, "announced_room is for delta buckets"
         return self.decoder.announced_room(group.ops)
 
-    def announced_pieces(self, group: Group, room: torch.Tensor) -> list[torch.Tensor]:
-        """Deltas: where each piece of an announced group lands (the live tensors, or its
-        ``room``: :meth:`announced_room`), from the plan alone."""
+    def announced_pieces(
+        self, group: Group, buf: torch.Tensor, *, in_room: bool
+    ) -> list[torch.Tensor]:
+        """Deltas: where each piece of an announced group lands (the live tensors, or
+        ``buf``: its room, :meth:`announced_room`, or a staging buffer), from the plan
+        alone."""
         assert self.decoder is not None, "announced_pieces is for delta buckets"
-        return self.decoder.announced_pieces(group.ops, room)
+        return self.decoder.announced_pieces(group.ops, buf, in_room=in_room)
 
-    def check_announced(self, group: Group) -> None:
+    def check_announced(self, group: Group, *, in_room: bool) -> None:
         """Deltas, after :meth:`take_group` of an announced group: raise unless its
-        directories say what the announcement did (pieces, in its room, the next group's
-        directories ahead)."""
+        directories say what the announcement did (pieces, no directories ahead; in its
+        room where ``in_room``)."""
         assert self.decoder is not None, "check_announced is for delta buckets"
-        self.decoder.check_announced(group.ops, self.next_group(group.ops[0]) is not None)
+        self.decoder.check_announced(group.ops, in_room=in_room)
 
     def room_buffers(self) -> list[torch.Tensor]:
         """Deltas: what receives may write besides the staging buffers and live tensors (for
