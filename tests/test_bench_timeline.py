@@ -146,3 +146,39 @@ def test_the_host_work_before_each_sides_first_data_is_listed(tmp_path):
     assert again[3] == (
         "    host ranges before it, start (ms): holds -1.50 (0.25), unstaged -1.00 (1.50)"
     )
+
+
+def test_host_steps_are_timed_without_a_profiler_and_lined_up(monkeypatch):
+    """With ``$WEIGHTBUS_HOST_MARKS`` set, each named step of a sync is timed on the host's
+    clock (no profiler), and ``host_steps`` lines up those of several participants."""
+    from weightbus import _trace
+    from weightbus.bench.timeline import host_steps
+
+    monkeypatch.setattr(_trace, "_marks", [])
+    with _trace.mark("holds"):
+        pass
+    for _ in range(2):
+        with _trace.mark("send"):
+            pass
+    steps = _trace.take_marks()
+    assert [s[0] for s in steps] == ["holds", "send", "send"]
+    assert all(end >= start for _, start, end in steps) and _trace.take_marks() == []
+    monkeypatch.setattr(_trace, "_marks", None)
+    with _trace.mark("holds"):
+        pass
+    assert _trace.take_marks() == []  # not recording: nothing kept
+    text = host_steps(
+        {
+            "writer-0": [
+                ("holds", 10.0, 10.001),
+                ("send", 10.002, 10.004),
+                ("send", 10.005, 10.0055),
+            ],
+            "reader-0": [("begin", 9.9995, 10.0005)],
+        }
+    )
+    lines = text.splitlines()
+    assert lines[1].split() == ["writer-0", "holds", "1", "0.50", "1.50", "1.00"]
+    assert lines[2].split() == ["writer-0", "send", "2", "2.50", "6.00", "2.50"]
+    assert lines[3].split() == ["reader-0", "begin", "1", "0.00", "1.00", "1.00"]
+    assert "WEIGHTBUS_HOST_MARKS" in host_steps({})

@@ -566,6 +566,15 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, an
         return out
 
     monkeypatch.setattr(DeltaEncoder, "announce", announced)
+    went: list[tuple[str, int]] = []  # per writer and sync: groups whose pieces went before
+    real_begin = DeltaEncoder.begin  # its begin (announced: each reader's first, before the
+    # readers' word on what they hold was read)
+
+    def begin(self, decision, *, announced=False):
+        went.append((self.name, len(self._early)))
+        return real_begin(self, decision, announced=announced)
+
+    monkeypatch.setattr(DeltaEncoder, "begin", begin)
     eager: list[str] = []  # per writer whose groups a reader posted at once: the reader
     real_post = Reader._post_announced
 
@@ -663,6 +672,11 @@ def test_dense_groups_travel_as_pieces_in_place_bit_exact(monkeypatch, rooms, an
     told = announce and rooms != "none"  # (a writer without rooms does not announce)
     want = [False, False, False, told, told, False]
     assert len(by_writer) == n_w and all(v == want for v in by_writer.values()), by_writer
+    early_by_writer: dict[str, list[int]] = {}
+    for name, n in went:
+        early_by_writer.setdefault(name, []).append(n)
+    want_early = [n_r if w else 0 for w in want]
+    assert all(v == want_early for v in early_by_writer.values()), early_by_writer
     eager_per_reader = collections.Counter(eager)
     expected = {f"reader-{r}": 2 * n_w for r in range(n_r)} if told and rooms == "both" else {}
     assert eager_per_reader == expected, (eager_per_reader, expected)

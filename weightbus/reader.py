@@ -323,7 +323,8 @@ class Reader(_Session):
                 # unpack kernels are queued on this stream: the bytes are in place only once
                 # they ran, and only then may this reader acknowledge
                 t = time.perf_counter()
-                torch.cuda.current_stream(self._device).synchronize()
+                with mark("synchronize"):
+                    torch.cuda.current_stream(self._device).synchronize()
                 phases["transfer" if self.pulled else "unpack"] += time.perf_counter() - t
             if self.codec is not None:
                 self.codec.check()  # frames the device refused to apply (damaged)
@@ -342,13 +343,14 @@ class Reader(_Session):
                 )
                 phases["verify"] += time.perf_counter() - t
             t = time.perf_counter()
-            control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
-            commit = control.gather(
-                f"commit/{seq}",
-                names=[self.plan.writers[0].name],
-                timeout=deadline.left(),
-                schema=COMMIT,
-            )
+            with mark("ack"):
+                control.post(f"ack/{seq}", {"version": version, "ok": True, "bytes": total})
+                commit = control.gather(
+                    f"commit/{seq}",
+                    names=[self.plan.writers[0].name],
+                    timeout=deadline.left(),
+                    schema=COMMIT,
+                )
             committed = next(iter(commit.values()))["version"]
             if committed != version:
                 raise WeightbusError(

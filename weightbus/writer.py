@@ -186,7 +186,10 @@ class Writer(_Session):
             phases["transfer"] += time.perf_counter() - t
 
             t = time.perf_counter()
-            acks = control.gather(f"ack/{seq}", role="reader", timeout=deadline.left(), schema=ACK)
+            with mark("acks"):
+                acks = control.gather(
+                    f"ack/{seq}", role="reader", timeout=deadline.left(), schema=ACK
+                )
             bad = {
                 name: a
                 for name, a in acks.items()
@@ -230,6 +233,16 @@ class Writer(_Session):
         are launched once every group is posted."""
         codec, control, transport = self.codec, self.control, self.transport
         assert codec is not None and self.plan is not None
+        early: dict[int, list[Handle]] = {}  # announced: groups whose pieces went already
+        if announced:
+            # every byte of an announced sync is the live tensors' whatever the readers hold:
+            # each reader's first group leaves before their word on what they hold is read
+            firsts: dict[int, BucketOp] = {}
+            for op, _ in self.pushed:
+                if codec.group(op) is not None:
+                    firsts.setdefault(op.peer, op)
+            for op in firsts.values():
+                early[op.bucket] = self._send_pieces(op, phases)
         if codec.policy is not None:
             # deltas: each reader says what its tensors hold, so one that missed a version
             # or lost its weights gets every byte
@@ -282,7 +295,7 @@ class Writer(_Session):
                 n = op.nbytes
             elif group is not None and announced:
                 codec.check()
-                handles, n = self._send_announced(op, phases)
+                handles, n = self._send_announced(op, phases, early.pop(op.bucket, None))
                 direct.extend(handles)
                 later.append(op)
             elif group is not None and self._unstaged(op, phases):
@@ -454,14 +467,30 @@ class Writer(_Session):
         _phase(phases, "pack", t)
         return handles, sum(h.nbytes for h in handles)
 
-    def _send_announced(self, op: BucketOp, phases: dict[str, float]) -> tuple[list[Handle], int]:
+    def _send_announced(
+        self, op: BucketOp, phases: dict[str, float], sent: list[Handle] | None
+    ) -> tuple[list[Handle], int]:
         """Deltas, in a sync announced as pieces: send the group bucket ``op`` starts, its
-        pieces first (from the live tensors and its room: known from the plan, so they leave
-        before its window is analyzed), then its directories, which the readers check once
-        they arrive (they posted every receive at the sync's begin). A profile of S7 at 50%
-        changed on two H100s had the first pieces leave 2.4 ms after the writer's first GPU
-        event, its host analyzing the first two windows meanwhile. Return the handles and
-        the bytes sent."""
+        pieces first (:meth:`_send_pieces`; ``sent``: their handles, where they went
+        already), then its directories, which the readers check once they arrive (they
+        posted every receive at the sync's begin). A profile of S7 at 50% changed on two
+        H100s had the first pieces leave 2.4 ms after the writer's first GPU event, its host
+        analyzing the first two windows meanwhile. Return the handles and the bytes sent."""
+        assert self.codec is not None
+        handles = self._send_pieces(op, phases) if sent is None else list(sent)
+        t = time.perf_counter()
+        with mark("pack_group"):
+            directories, _ = self.codec.pack_group(op, None)
+        t = _phase(phases, "pack", t)
+        with mark("directories"):
+            handles.append(self._send_directories(op, directories))
+        _phase(phases, "transfer", t)
+        return handles, sum(h.nbytes for h in handles)
+
+    def _send_pieces(self, op: BucketOp, phases: dict[str, float]) -> list[Handle]:
+        """Deltas, in a sync announced as pieces: send the pieces of the group bucket ``op``
+        starts (from the live tensors and its room: known from the plan, before its window
+        is analyzed); return their handles."""
         assert self.transport is not None and self.codec is not None
         t = time.perf_counter()
         with mark("pieces"):
@@ -473,13 +502,8 @@ class Writer(_Session):
                 handles += self.transport.send_many(
                     op.peer_global, [(pieces[j][1], tag) for j, tag in post]
                 )
-        t = _phase(phases, "transfer", t)
-        with mark("pack_group"):
-            directories, _ = self.codec.pack_group(op, None)
-        t = _phase(phases, "pack", t)
-        handles.append(self._send_directories(op, directories))
         _phase(phases, "transfer", t)
-        return handles, sum(h.nbytes for h in handles)
+        return handles
 
     def _send_directories(self, first: BucketOp, directories: torch.Tensor) -> Handle:
         """Send the directories of the group bucket ``first`` starts from their place on the

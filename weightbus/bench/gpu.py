@@ -192,6 +192,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         import torch
 
         from weightbus import BoundLayout, Participant, Reader, Writer
+        from weightbus._trace import take_marks
         from weightbus.layouts.describe import build_layouts
         from weightbus.layouts.families import model_spec
         from weightbus.plan import allocate, fill_from_canonical, poison
@@ -262,9 +263,11 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                     result = side.sync(i + 1)
                 else:
                     result = side.wait()
+            steps = take_marks()  # (WEIGHTBUS_HOST_MARKS: this sync's host steps)
             if args.warmup <= i < total - 1:
                 times.append(result.seconds)
                 sent.append(result.bytes)
+                extra["host_steps"] = steps  # the last timed sync's
         if role == "reader" and "fp8" in codecs:
             extra.update(_fp8_check(layout, tensors, canon, codecs["fp8"]))
             bit_exact = extra["equal_to_quantization"] and extra["error_over_bound"] <= 1.0
@@ -751,6 +754,11 @@ def _run_spec(
         from weightbus.bench.timeline import write_across
 
         write_across(where, sname)  # <scenario>.across.txt: each side's first messages
+    steps = {name: got["host_steps"] for (name, _), got in res.items() if got.get("host_steps")}
+    if steps:
+        from weightbus.bench.timeline import host_steps
+
+        print(host_steps(steps), end="", flush=True)
     w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
     moved = res[("writer-0", 0)]["bytes"]
     exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))

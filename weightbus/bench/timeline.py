@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["across", "summarize", "write_across", "write_summary"]
+__all__ = ["across", "host_steps", "summarize", "write_across", "write_summary"]
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _TRANSFER = "nccl"
@@ -216,6 +216,32 @@ def across(paths: Sequence[str | Path], *, most: int = 30) -> str:
         lines.append(text)
         if data is not None:
             lines += _host(trace, t0, data[1], most)
+    return "\n".join(lines) + "\n"
+
+
+def host_steps(marks: dict[str, Sequence[tuple[str, float, float]]]) -> str:
+    """The host steps of one sync per participant (``marks``: name -> (step, start, end) in
+    seconds on one clock, as :func:`weightbus._trace.take_marks` gives them, with
+    ``$WEIGHTBUS_HOST_MARKS`` set), lined up without a profiler: per participant and step,
+    how many times it ran, when the first began and the last ended, and its time in all, in
+    milliseconds from the earliest step of them all."""
+    starts = [start for steps in marks.values() for _, start, _ in steps]
+    if not starts:
+        return "no host steps recorded (set WEIGHTBUS_HOST_MARKS=1)\n"
+    t0 = min(starts)
+    lines = ["host steps of one sync, ms from the earliest: times, first start, last end, total"]
+    for who, steps in marks.items():
+        rows: dict[str, list[float]] = {}
+        for name, start, end in steps:
+            row = rows.setdefault(name, [0, start, end, 0.0])
+            row[0] += 1
+            row[1], row[2] = min(row[1], start), max(row[2], end)
+            row[3] += end - start
+        for name, (n, first, last, total) in sorted(rows.items(), key=lambda kv: kv[1][1]):
+            lines.append(
+                f"  {who:10s} {name:18s} {int(n):4d} {(first - t0) * 1e3:8.2f} "
+                f"{(last - t0) * 1e3:8.2f} {total * 1e3:8.2f}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -947,7 +947,10 @@ class DeltaEncoder:
         window goes dense for sure (sent dense on a guess, or stale: :meth:`_goes_dense`),
         every group's routes are live regions and its staged pieces fit its room. The
         writer says so in its begin message and passes it to :meth:`begin`; readers may then
-        post every receive of its groups at once, in the order it sends them."""
+        post every receive of its groups at once, in the order it sends them. Once it said
+        yes, :meth:`announced_pieces` may give groups' pieces before :meth:`begin` (they do
+        not depend on what the readers hold)."""
+        self._announced = False
         if not (self.config.announce and self.config.pieces and self._local):
             return False
         for w in range(len(self._windows)):
@@ -960,18 +963,21 @@ class DeltaEncoder:
                 assert src is not None  # (all_pieces)
                 if self._room(first, src) is None:
                     return False
+        self._announced = True
         return True
 
     def begin(self, decision: DeltaDecision, *, announced: bool = False) -> None:
         """Start a sync: what to send dense, the versions, whether to checksum; ``announced``:
-        what :meth:`announce` said, and the writer told its readers."""
+        what :meth:`announce` said, and the writer told its readers (groups whose pieces went
+        since stay sent: :meth:`announced_pieces`)."""
+        if self._early and not announced:
+            raise RuntimeError(f"{self.name}: pieces went before a sync that is not announced")
         self._decision = decision
         self._announced = announced
         self._open.clear()
         self._later.clear()
         self._done.clear()
         self._in_pieces.clear()
-        self._early.clear()
         self._directories.clear()
         self._ahead.clear()
 
@@ -1046,11 +1052,12 @@ class DeltaEncoder:
 
     @torch.no_grad()
     def announced_pieces(self, op: BucketOp) -> list[tuple[int, torch.Tensor]]:
-        """In a sync announced as pieces (:meth:`announce`): the pieces of the group bucket
-        ``op`` starts, as :meth:`encode_group` gives them, from the window's layout alone (the
-        live tensors, and its room for the staged ones, copied there on the current stream),
-        so that they leave before the window is analyzed; :meth:`encode_group` then gives
-        only the group's directories. Each stays untouched until the sync ends."""
+        """In a sync announced as pieces (:meth:`announce`, even before :meth:`begin`): the
+        pieces of the group bucket ``op`` starts, as :meth:`encode_group` gives them, from
+        the window's layout alone (the live tensors, and its room for the staged ones, copied
+        there on the current stream), so that they leave before the window is analyzed;
+        :meth:`encode_group` then gives only the group's directories. Each stays untouched
+        until the sync ends."""
         group = self.group(op)
         src = (
             None

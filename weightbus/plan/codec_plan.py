@@ -473,14 +473,12 @@ class WriterCodec:
         return self.encoder is not None and self.encoder.announce()
 
     def announced_pieces(self, op: BucketOp) -> list[tuple[int, torch.Tensor]]:
-        """Deltas, in a sync announced as pieces: the pieces of the group bucket ``op``
-        starts, before its window is analyzed
-        (:meth:`~weightbus.codecs.delta.DeltaEncoder.announced_pieces`); :meth:`pack_group`
-        then gives its directories alone."""
-        if self._version is None or self.encoder is None:
-            raise RuntimeError(
-                f"writer {self.name!r}: begin(version) with deltas before announced_pieces"
-            )
+        """Deltas, in a sync announced as pieces (:meth:`announce` said so; before
+        :meth:`begin` too): the pieces of the group bucket ``op`` starts, before its window is
+        analyzed (:meth:`~weightbus.codecs.delta.DeltaEncoder.announced_pieces`);
+        :meth:`pack_group` then gives its directories alone."""
+        if self.encoder is None:
+            raise RuntimeError(f"writer {self.name!r}: announced_pieces is for deltas")
         return self.encoder.announced_pieces(op)
 
     def begin(
