@@ -525,13 +525,24 @@ class Reader(_Session):
         eager: dict[int, bool] = {}  # per writer that announced: every receive posted at once?
         received = 0
 
+        def decode_oldest() -> None:
+            group = pending.popleft()
+            self._decode_group(group, deadline, phases)
+            if group.staged:
+                free.append(group.buf)
+
         def take_buffer() -> torch.Tensor:
             while not free:
-                group = pending.popleft()  # (groups in rooms on the way are applied too)
-                self._decode_group(group, deadline, phases)
-                if group.staged:
-                    free.append(group.buf)
+                decode_oldest()  # (groups in rooms on the way are applied too)
             return free.popleft()
+
+        def decode_landed() -> None:
+            # the oldest groups whose bytes all landed are applied now, not once every group
+            # is posted: groups that need no buffer (in rooms, or all posted at the begin
+            # of an announced sync) waited until the end, and on two H100s at 50% changed
+            # their applies made 1.1 ms of the sync's tail after its last byte
+            while pending and pending[0].head is None and all(h.done() for h in pending[0].rest):
+                decode_oldest()
 
         for op in self.ops:
             spec = codec.group_of(op)
@@ -549,6 +560,7 @@ class Reader(_Session):
                         codec.check_announced(spec, in_room=True)
                     _phase(phases, "unpack", t)
                     received += len(raw) + sum(h.nbytes for h in early.rest)
+                    decode_landed()  # (the older ones: this one's bytes are likely on the way)
                 else:  # (some group has no room) its pieces into a staging buffer
                     early = _Group(spec, take_buffer())
                     t = time.perf_counter()
@@ -567,6 +579,7 @@ class Reader(_Session):
             room = codec.room(spec, raw)
             group = _Group(spec, take_buffer() if room is None else room, staged=room is None)
             received += self._post_group(group, raw, heads, phases)
+            decode_landed()
             pending.append(group)
         while pending:
             self._decode_group(pending.popleft(), deadline, phases)

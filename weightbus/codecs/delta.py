@@ -961,8 +961,8 @@ class DeltaEncoder:
                 return False
             for first, src in lay.pieces.items():
                 assert src is not None  # (all_pieces)
-                if self._room(first, src) is None:
-                    return False
+                if src.staged > self._rooms.get(first, (0, -1))[1]:
+                    return False  # (no room, or too small: as _room says, without slicing)
         self._announced = True
         return True
 
