@@ -447,8 +447,9 @@ def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
 @pytest.mark.timeout(300)
 def test_syncs_announced_as_pieces_over_nccl_are_bit_exact(monkeypatch):
     """With ``DeltaConfig.announce``, over NCCL between two GPUs: a dense sync, three at 50%
-    changed (the first compared, then sent dense on a guess: announced, the reader posting
-    every receive at once), then 1% (still on a guess, announced; its sample sees few
+    changed (the first compared, then sent dense on a guess: announced, each group's pieces
+    before its directories, the reader posting every receive at once), then 1% (still on a
+    guess, announced; its sample sees few
     changes) and 1% again (its windows stale, sent dense once more: announced). Syncs 3 and
     6 carry checksums (``checksum_every=3``): their directories wait for the shadow's
     copies. Bit exact after each sync, the same bytes on both sides; a mismatch in the order
