@@ -182,7 +182,8 @@ class Writer(_Session):
                 drop = post_writer(control, seq, version, verifier, self.ops)
                 phases["verify"] += time.perf_counter() - t
             t = time.perf_counter()
-            transport.wait(direct + [h for h, _ in staged], deadline.left())
+            with mark("wait_rest"):
+                transport.wait(direct + [h for h, _ in staged], deadline.left())
             phases["transfer"] += time.perf_counter() - t
 
             t = time.perf_counter()
@@ -395,7 +396,8 @@ class Writer(_Session):
         with mark("wait"):
             transport.wait(direct + [h for handles, _ in staged for h in handles], deadline.left())
         phases["transfer"] += time.perf_counter() - t
-        self._directories = []
+        with mark("release"):  # (the directories' pinned host copies)
+            self._directories = []
         return sent
 
     def _unstaged(self, op: BucketOp, phases: dict[str, float]) -> bool:

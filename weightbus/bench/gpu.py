@@ -267,7 +267,8 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
             if args.warmup <= i < total - 1:
                 times.append(result.seconds)
                 sent.append(result.bytes)
-                extra["host_steps"] = steps  # the last timed sync's
+                if steps:
+                    extra.setdefault("host_steps", []).append(steps)  # per timed sync
         if role == "reader" and "fp8" in codecs:
             extra.update(_fp8_check(layout, tensors, canon, codecs["fp8"]))
             bit_exact = extra["equal_to_quantization"] and extra["error_over_bound"] <= 1.0
@@ -754,12 +755,16 @@ def _run_spec(
         from weightbus.bench.timeline import write_across
 
         write_across(where, sname)  # <scenario>.across.txt: each side's first messages
-    steps = {name: got["host_steps"] for (name, _), got in res.items() if got.get("host_steps")}
-    if steps:
+    w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
+    if all(len(got.get("host_steps", ())) == a.iters for got in res.values()):
+        # WEIGHTBUS_HOST_MARKS: the host steps of the median sync and of the slowest
         from weightbus.bench.timeline import host_steps
 
-        print(host_steps(steps), end="", flush=True)
-    w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
+        order = sorted(range(len(w_times)), key=lambda i: w_times[i])
+        for what, i in (("median", order[len(order) // 2]), ("slowest", order[-1])):
+            print(f"{what} timed sync ({w_times[i] * 1e3:.1f} ms):", flush=True)
+            steps = {name: got["host_steps"][i] for (name, _), got in res.items()}
+            print(host_steps(steps), end="", flush=True)
     moved = res[("writer-0", 0)]["bytes"]
     exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))
     stats = _median(w_times)

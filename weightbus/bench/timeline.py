@@ -25,6 +25,10 @@ ranges the writer and reader name (``weightbus.<step>``, :func:`weightbus._trace
 their start and length, and its CUDA calls by name. ``weightbus bench gpu`` writes
 ``<scenario>.across.txt`` so.
 
+Without a profiler, :func:`host_steps` lines up those named steps as
+``$WEIGHTBUS_HOST_MARKS`` timed them (what ``weightbus bench gpu`` prints for the median
+timed sync and the slowest).
+
 Usage: ``python -m weightbus.bench.timeline TRACE.json [TRACE.json ...] [--gap-ms 0.2]``.
 """
 
