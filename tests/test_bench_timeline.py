@@ -182,3 +182,23 @@ def test_host_steps_are_timed_without_a_profiler_and_lined_up(monkeypatch):
     assert lines[2].split() == ["writer-0", "send", "2", "2.50", "6.00", "2.50"]
     assert lines[3].split() == ["reader-0", "begin", "1", "0.00", "1.00", "1.00"]
     assert "WEIGHTBUS_HOST_MARKS" in host_steps({})
+
+
+def test_the_bench_prints_the_steps_of_the_median_and_the_slowest_sync():
+    """The bench picks, from every participant's steps per timed sync, the median sync's and
+    the slowest's; nothing where a participant recorded none (no WEIGHTBUS_HOST_MARKS)."""
+    from weightbus.bench.gpu import host_steps_text
+
+    def steps(t):
+        return [("send", t, t + 0.001)]
+
+    res = {
+        ("writer-0", 0): {"host_steps": [steps(1.0), steps(2.0), steps(3.0)]},
+        ("reader-0", 0): {"host_steps": [steps(1.0), steps(2.0), steps(3.0)]},
+    }
+    text = host_steps_text(res, [0.050, 0.110, 0.049])
+    assert text.startswith("median timed sync (50.0 ms):\n")
+    assert "slowest timed sync (110.0 ms):\n" in text
+    assert text.count("writer-0") == 2 and text.count("reader-0") == 2
+    assert host_steps_text({("writer-0", 0): {}}, [0.05]) == ""
+    assert host_steps_text(res, []) == ""

@@ -304,6 +304,23 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
         )
 
 
+def host_steps_text(res: dict, times: list[float]) -> str:
+    """With ``$WEIGHTBUS_HOST_MARKS`` set: the host steps (:func:`weightbus.bench.timeline.
+    host_steps`) of the median timed sync and of the slowest (``times``: each timed sync's
+    seconds), from every participant's results in ``res`` (keyed by (name, rank)); empty
+    where some participant recorded none for some timed sync."""
+    if not times or any(len(got.get("host_steps", ())) != len(times) for got in res.values()):
+        return ""
+    from weightbus.bench.timeline import host_steps
+
+    order = sorted(range(len(times)), key=lambda i: times[i])
+    out = []
+    for what, i in (("median", order[len(order) // 2]), ("slowest", order[-1])):
+        out.append(f"{what} timed sync ({times[i] * 1e3:.1f} ms):\n")
+        out.append(host_steps({name: got["host_steps"][i] for (name, _), got in res.items()}))
+    return "".join(out)
+
+
 def profiled(name: str, i: int, warmup: int):
     """A profiler around sync ``i`` when ``$WEIGHTBUS_PROFILE_DIR`` is set and ``i`` is the first
     timed sync: writes ``<name>.txt`` there (the ops by CPU time and by CUDA time); otherwise a
@@ -756,15 +773,9 @@ def _run_spec(
 
         write_across(where, sname)  # <scenario>.across.txt: each side's first messages
     w_times = [max(res[(f"writer-{r}", r)]["times"][i] for r in range(n_w)) for i in range(a.iters)]
-    if all(len(got.get("host_steps", ())) == a.iters for got in res.values()):
-        # WEIGHTBUS_HOST_MARKS: the host steps of the median sync and of the slowest
-        from weightbus.bench.timeline import host_steps
-
-        order = sorted(range(len(w_times)), key=lambda i: w_times[i])
-        for what, i in (("median", order[len(order) // 2]), ("slowest", order[-1])):
-            print(f"{what} timed sync ({w_times[i] * 1e3:.1f} ms):", flush=True)
-            steps = {name: got["host_steps"][i] for (name, _), got in res.items()}
-            print(host_steps(steps), end="", flush=True)
+    text = host_steps_text(res, w_times)
+    if text:
+        print(text, end="", flush=True)
     moved = res[("writer-0", 0)]["bytes"]
     exact = all(res[(f"reader-{r}", r)]["bit_exact"] for r in range(n_r))
     stats = _median(w_times)
