@@ -458,10 +458,7 @@ class Writer(_Session):
             if rest and rest[0][0] < 0:
                 handles.append(self.transport.send(op.peer_global, rest[0][1], rest_tag(op, nb)))
             elif rest:
-                for post in self._piece_posts[op.bucket]:
-                    handles += self.transport.send_many(
-                        op.peer_global, [(rest[j][1], tag) for j, tag in post]
-                    )
+                handles += self._post_pieces(op, rest)
         # (no rest: nothing changed in the group, no second message)
         t = _phase(phases, "transfer", t)
         with mark("queued"):
@@ -498,13 +495,20 @@ class Writer(_Session):
         with mark("pieces"):
             pieces = self.codec.announced_pieces(op)
         t = _phase(phases, "pack", t)
-        handles: list[Handle] = []
         with mark("send"):
-            for post in self._piece_posts[op.bucket]:
-                handles += self.transport.send_many(
-                    op.peer_global, [(pieces[j][1], tag) for j, tag in post]
-                )
+            handles = self._post_pieces(op, pieces)
         _phase(phases, "transfer", t)
+        return handles
+
+    def _post_pieces(self, op: BucketOp, pieces: list[tuple[int, torch.Tensor]]) -> list[Handle]:
+        """Send the pieces of the group bucket ``op`` starts (each (its index, its bytes)),
+        in the posts the reader makes of them (:attr:`_piece_posts`)."""
+        assert self.transport is not None
+        handles: list[Handle] = []
+        for post in self._piece_posts[op.bucket]:
+            handles += self.transport.send_many(
+                op.peer_global, [(pieces[j][1], tag) for j, tag in post]
+            )
         return handles
 
     def _send_directories(self, first: BucketOp, directories: torch.Tensor) -> Handle:
