@@ -214,6 +214,8 @@ class _Session:
         self._piece_posts: dict[int, list[list[tuple[int, int]]]] = {}
         """Deltas: per group (its first bucket), the posts of its pieces when it travels as
         pieces, each its pieces' (index, tag), the same on both sides (fixed at connect)."""
+        self._first_groups: tuple[BucketOp, ...] = ()
+        """Deltas: each peer's first group (its first bucket), in program order."""
         self.ahead: frozenset[int] = frozenset()
         """FP8: the buckets of this participant sent before the writers' check for non-finite
         weights (:func:`~weightbus.plan.codec_plan.sent_ahead`)."""
@@ -394,6 +396,10 @@ class _Session:
             ]
             for op, g in starts
         }
+        firsts: dict[int, BucketOp] = {}
+        for op, _ in starts:
+            firsts.setdefault(op.peer, op)
+        self._first_groups = tuple(firsts.values())
         # FP8 buckets sent ahead: per peer they go to or come from, the place of the word
         # whether the writer's weights were finite (the version, or -1)
         peers = sorted({op.peer for op in self.ops if op.bucket in self.ahead})

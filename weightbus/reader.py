@@ -554,11 +554,7 @@ class Reader(_Session):
                 early = posted.pop(op.bucket, None)
                 if early is not None:
                     raw = self._read_directories(op, heads.pop(op.bucket), deadline, phases)
-                    t = time.perf_counter()
-                    with mark("take_group"):
-                        early.parts, _ = codec.take_group(spec, raw, early.buf)
-                        codec.check_announced(spec, in_room=True)
-                    _phase(phases, "unpack", t)
+                    self._take_announced(early, raw, phases)
                     received += len(raw) + sum(h.nbytes for h in early.rest)
                     decode_landed()  # (the older ones: this one's bytes are likely on the way)
                 else:  # (some group has no room) its pieces into a staging buffer
@@ -597,8 +593,9 @@ class Reader(_Session):
         them, each group's pieces (into the live tensors, or its room), then its directories,
         so that nothing waits for a directory to be read (a profile of S7 at 50% changed on
         two H100s had a reader's first pieces posted 3.5 ms after its first directories'
-        receive). The groups go into ``posted``, their directories' receives into ``heads``. Returns False, posting nothing, where some group has no room
-        of its own: then the directories are read first, as without an announcement."""
+        receive). The groups go into ``posted``, their directories' receives into ``heads``.
+        Returns False, posting nothing, where some group has no room of its own: then each
+        group's pieces go into a staging buffer as one is free (:meth:`_receive_coded`)."""
         codec = self.codec
         assert codec is not None and self.transport is not None
         chain: list[tuple[BucketOp, Group, torch.Tensor]] = []
@@ -674,6 +671,16 @@ class Reader(_Session):
         _phase(phases, "transfer", t)
         return len(raw) + n
 
+    def _take_announced(self, group: _Group, raw: bytes, phases: dict[str, float]) -> None:
+        """Take the directories (``raw``) of a group its writer announced as pieces, whose
+        receives were posted before they were read, and check that they say so."""
+        assert self.codec is not None
+        t = time.perf_counter()
+        with mark("take_group"):
+            group.parts, _ = self.codec.take_group(group.spec, raw, group.buf)
+            self.codec.check_announced(group.spec, in_room=not group.staged)
+        _phase(phases, "unpack", t)
+
     def _recv_pieces(self, group: _Group, landing: Sequence[torch.Tensor]) -> int:
         """Post the receives of a group that travels as pieces, each where it lands
         (``landing``), in the posts both sides make of them; return their bytes."""
@@ -688,14 +695,9 @@ class Reader(_Session):
         """Wait for a whole group and apply it to the live tensors (an announced group in a
         staging buffer: once its directories, which follow its pieces, are read)."""
         if group.head is not None:
-            assert self.codec is not None
-            first = group.spec.ops[0]
-            raw = self._read_directories(first, group.head, deadline, phases)
+            raw = self._read_directories(group.spec.ops[0], group.head, deadline, phases)
             group.head = None
-            t = time.perf_counter()
-            group.parts, _ = self.codec.take_group(group.spec, raw, group.buf)
-            self.codec.check_announced(group.spec, in_room=False)
-            phases["unpack"] += time.perf_counter() - t
+            self._take_announced(group, raw, phases)
         t = time.perf_counter()
         with mark("wait_group"):
             self.transport.wait(group.rest, deadline.left())

@@ -238,11 +238,7 @@ class Writer(_Session):
         if announced:
             # every byte of an announced sync is the live tensors' whatever the readers hold:
             # each reader's first group leaves before their word on what they hold is read
-            firsts: dict[int, BucketOp] = {}
-            for op, _ in self.pushed:
-                if codec.group(op) is not None:
-                    firsts.setdefault(op.peer, op)
-            for op in firsts.values():
+            for op in self._first_groups:
                 early[op.bucket] = self._send_pieces(op, phases)
         if codec.policy is not None:
             # deltas: each reader says what its tensors hold, so one that missed a version

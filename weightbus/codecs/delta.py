@@ -961,8 +961,8 @@ class DeltaEncoder:
                 return False
             for first, src in lay.pieces.items():
                 assert src is not None  # (all_pieces)
-                if src.staged > self._rooms.get(first, (0, -1))[1]:
-                    return False  # (no room, or too small: as _room says, without slicing)
+                if not self._fits(first, src):
+                    return False
         self._announced = True
         return True
 
@@ -1044,11 +1044,17 @@ class DeltaEncoder:
             op.bucket in win.pieces and src is not None and self._room(op.bucket, src) is not None
         )
 
+    def _fits(self, first: int, src: _PieceSources) -> bool:
+        """Whether the group bucket ``first`` starts has a room its staged pieces fit."""
+        return src.staged <= self._rooms.get(first, (0, -1))[1]
+
     def _room(self, first: int, src: _PieceSources) -> torch.Tensor | None:
         """The room of the group bucket ``first`` starts for its staged pieces in
         :attr:`pieces_area`, where they fit."""
-        at, size = self._rooms.get(first, (0, -1))
-        return self.pieces_area[at : at + src.staged] if src.staged <= size else None
+        if not self._fits(first, src):
+            return None
+        at = self._rooms[first][0]
+        return self.pieces_area[at : at + src.staged]
 
     @torch.no_grad()
     def announced_pieces(self, op: BucketOp) -> list[tuple[int, torch.Tensor]]:
