@@ -32,6 +32,7 @@ from weightbus.codecs.delta import (
     FLAG_PLAIN,
     GROUP_ALIGN,
     MAGIC,
+    MASKED,
     SPARSE,
     DeltaConfig,
     DeltaDecision,
@@ -239,15 +240,15 @@ def test_a_windows_directories_travel_as_one_message_per_reader(window):
         assert_exact(rs, got, canon)
 
 
-def _group_at_sync_2():
-    """A reader's group of at least 3 buckets at sync 2 (2% changed, after a dense sync 1):
-    (reader codec, group, its writer codec, the group's directories and frames as sent);
-    every codec has begun sync 2, nothing of it applied yet."""
+def _group_at_sync_2(fraction: float = 0.02):
+    """A reader's group of at least 3 buckets at sync 2 (``fraction`` changed, after a dense
+    sync 1): (reader codec, group, its writer codec, the group's directories and frames as
+    sent); every codec has begun sync 2, nothing of it applied yet."""
     codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=1 << 30))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
     for version in (1, 2):
         if version == 2:
-            change(canon, torch.Generator().manual_seed(5), 0.02)
+            change(canon, torch.Generator().manual_seed(5), fraction)
         for lay, t in zip(ws, live, strict=True):
             fill_from_canonical(lay, canon, t)
         if version == 1:
@@ -335,6 +336,107 @@ def test_a_groups_directories_are_checked_before_anything_is_applied():
     assert changed
 
 
+def damaged_mask_case(device: str, impl: str) -> None:
+    """A group whose masked frame sets a bit more than its count of values, or a bit past its
+    route's elements: the torch path refuses either before applying anything (the intact
+    group then gives the writer's bytes); the apply kernels write only the route's elements
+    (all of the group but that route right) and the reader's check then raises naming the
+    tensor (a sync whose check failed leaves the next one dense)."""
+    rc, members, w, raw, sent = _group_at_sync_2(0.3)
+    tensors = {k: v.to(device) for k, v in rc.tensors.items()}
+    dec = DeltaDecoder(rc.ops, tensors, "r", impl=impl)
+    buf = torch.zeros(members.capacity, dtype=torch.uint8, device=device)
+    parts, n = dec.take_group(members.ops, raw, buf)
+    buf[:n] = sent.to(device)
+    d = dec._read[members.ops[0].bucket]
+    assert not d.sparse.any()  # (at 30% changed every delta frame is masked)
+    numels = d.span.nbytes // d.span.isz
+    j = int(np.flatnonzero(d.masked & (d.count > 0) & (numels % 32 != 0))[0])
+    k = int(d.span.bucket[j])
+    op, at = parts[k]
+    c = op.copies[j - int(d.span.starts[k])]
+    numel = int(d.span.nbytes[j] // d.span.isz[j])
+    start = at + int(d.offset[j])
+    bits = np.unpackbits(buf[start : start + int(d.lead[j])].cpu().numpy(), bitorder="little")
+    assert bits.sum() == d.count[j] and not bits[numel:].any()
+    before = {k: v.clone() for k, v in tensors.items()}
+
+    def damaged(bit: int) -> torch.Tensor:
+        bad = buf.clone()
+        bad[start + bit // 8] |= 1 << (bit % 8)
+        dec.take_group(members.ops, raw, bad)
+        return bad
+
+    unset = int(np.flatnonzero(bits[:numel] == 0)[0])
+    if impl == "torch":
+        pattern = rf"masked frame of {c.tensor} sets {int(d.count[j]) + 1} bits \(0 past"
+        with pytest.raises(WeightbusError, match=pattern):
+            dec.decode_group(parts, damaged(unset), version=2, held=1)
+        with pytest.raises(WeightbusError, match=rf"\(1 past its {numel} elements\)"):
+            dec.decode_group(parts, damaged(numel), version=2, held=1)
+        for key, v in tensors.items():  # nothing of the group applied
+            assert torch.equal(v.view(torch.uint8), before[key].view(torch.uint8)), key
+    w_of = {op.bucket: op for op in w.ops}
+
+    def holds_writers(but=None) -> None:
+        """The group's routes hold the writer's bytes, but route ``but``."""
+        host = {k: v.cpu() for k, v in tensors.items()}
+        for b, op in enumerate(members.ops):
+            mine, theirs = (torch.zeros(op.nbytes, dtype=torch.uint8) for _ in range(2))
+            pack(op, host, mine)
+            pack(w_of[op.bucket], w.live, theirs)  # (wire bytes: casts done)
+            for i, r in enumerate(op.copies):
+                if (b, i) != but:
+                    at = slice(r.offset, r.offset + r.nbytes)
+                    assert torch.equal(mine[at], theirs[at]), (op.bucket, i)
+
+    if impl != "torch":
+        # a bit past the route's elements: not written (its neighbours in the storage keep
+        # their bytes), the rest applied
+        dec.decode_group(parts, damaged(numel), version=2, held=1)
+        with pytest.raises(WeightbusError, match=rf"\d elements of delta frames \(of {c.tensor}"):
+            dec.check()
+        holds_writers()
+        # a bit more than its values: the route is wrong, the others applied
+        dec.decode_group(parts, damaged(unset), version=2, held=1)
+        with pytest.raises(WeightbusError, match=rf"elements of delta frames \(of {c.tensor}"):
+            dec.check()
+        holds_writers(but=(k, j - int(d.span.starts[k])))
+        return
+    dec.take_group(members.ops, raw, buf)
+    dec.decode_group(parts, buf, version=2, held=1)
+    dec.check()
+    holds_writers()
+
+
+def test_a_damaged_masked_frame_is_refused_on_the_torch_path():
+    damaged_mask_case("cpu", "torch")
+
+
+def test_masked_frames_take_about_half_the_bytes_at_half_changed():
+    """At 50% of the elements changed a bf16 route travels masked (a bit per element, then
+    its changed values): about 9/16 of its dense bytes, bit exact across resharding, casts
+    and strided regions; with masks off it goes dense."""
+    moved = {}
+    for masks in (True, False):
+        codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, masks=masks))
+        plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
+        g = torch.Generator().manual_seed(8)
+        for step in (1, 2, 3):
+            if step > 1:
+                change(canon, g, 0.5)
+            for lay, t in zip(ws, live, strict=True):
+                fill_from_canonical(lay, canon, t)
+            moved[masks, step] = run_sync(plan, wcs, rcs, step)
+            assert_exact(rs, got, canon)
+        dense, fixed = plan.stats.total_bytes, unchanged_sync_bytes(rcs)
+    # (fixed: the directories; the frames of these small routes also pad to 16 bytes, and
+    # each bucket to GROUP_ALIGN: 62% here)
+    for step in (2, 3):
+        assert moved[True, step] - fixed < 0.65 * (moved[False, step] - fixed), moved
+        assert moved[False, step] == moved[False, 1] > dense, moved
+
+
 def damaged_index_case(device: str, impl: str) -> None:
     """A group whose sparse frame has an index just past its route (whose next element is
     another route's, in the same storage): the torch path refuses it before applying anything;
@@ -378,7 +480,7 @@ def damaged_index_case(device: str, impl: str) -> None:
         dec.decode_group(parts, bad, version=2, held=1)
         with pytest.raises(
             WeightbusError,
-            match=rf"bucket {op.bucket} .*1 elements of sparse frames \(of {c.tensor} among",
+            match=rf"bucket {op.bucket} .*1 elements of delta frames \(of {c.tensor} among",
         ):
             dec.check()
         dec.check()  # counted once
@@ -441,16 +543,13 @@ def test_corrupt_group_directories_are_refused_or_stay_inside_the_buffer():
         outcomes["read"] += 1
         assert n <= room and n == sent.numel() and parts == intact_parts
         d = rc.decoder._read[first]
-        for a, b in ((d.sparse, intact.sparse), (d.offset, intact.offset), (d.count, intact.count)):
-            assert (a == b).all()
+        for field in ("sparse", "masked", "offset", "lead", "count"):
+            assert (getattr(d, field) == getattr(intact, field)).all(), field
         for k, (_, at) in enumerate(parts):
             assert at + d.frames[k] <= n
             mine = d.span.routes_of(k)
-            sparse, count = d.sparse[mine], d.count[mine]
-            size = np.where(
-                sparse, -(-count * d.ix[mine] // 16) * 16 + count * d.unit[mine],
-                d.span.nbytes[mine],
-            )  # fmt: skip
+            delta, count = d.sparse[mine] | d.masked[mine], d.count[mine]
+            size = np.where(delta, d.lead[mine] + count * d.unit[mine], d.span.nbytes[mine])
             assert (d.offset[mine] >= 0).all()
             assert (d.offset[mine] + size <= d.frames[k]).all()
 
@@ -671,7 +770,7 @@ def test_windows_that_went_dense_are_sent_dense_until_they_would_not():
     dense_bytes = plan.stats.total_bytes
     g = torch.Generator().manual_seed(3)
     moved = {}
-    for step, fraction in ((1, 0.0), (2, 0.9), (3, 0.9), (4, 0.01), (5, 0.01)):
+    for step, fraction in ((1, 0.0), (2, 0.98), (3, 0.98), (4, 0.01), (5, 0.01)):
         if fraction:
             change(canon, g, fraction)
         for lay, t in zip(ws, live, strict=True):
@@ -707,7 +806,7 @@ def test_the_next_groups_directories_go_ahead_when_ready_without_the_device(monk
 
     monkeypatch.setattr(WriterCodec, "ahead", ahead)
     g = torch.Generator().manual_seed(4)
-    for step, fraction in ((1, 0.0), (2, 0.6), (3, 0.6), (4, 0.01), (5, 0.01)):
+    for step, fraction in ((1, 0.0), (2, 0.98), (3, 0.98), (4, 0.01), (5, 0.01)):
         if fraction:
             change(canon, g, fraction)
         for lay, t in zip(ws, live, strict=True):
@@ -1213,6 +1312,7 @@ def kernels_equal_torch(
     held: list[int | None] = [None, None]
     # changed fraction, readers sent dense (the first sync: both)
     steps = [(1, None), (0.01, None), (0.0, None), (0.5, {1}), (1.0, None)]
+    kinds: collections.Counter = collections.Counter()
     for v, (fraction, dense) in enumerate(steps, start=1):
         if fraction:
             rr.change(fraction)
@@ -1232,6 +1332,7 @@ def kernels_equal_torch(
                 bufs[impl] = (buf, e.encode(wop, buf))
             (a, na), (b, nb) = bufs["torch"], bufs["triton"]
             assert na == nb and torch.equal(a[:na], b[:nb]), (v, wop.bucket)
+            kinds.update((v, a[_HEAD.size + _ENT.size * i].item()) for i in range(len(wop.copies)))
             for impl, (buf, _) in bufs.items():
                 dec[impl].decode(rop, buf, version=v, held=held[wop.peer])
         for e in enc.values():
@@ -1240,6 +1341,8 @@ def kernels_equal_torch(
         assert torch.equal(enc["torch"].shadow, enc["triton"].shadow)
         for impl in enc:
             rr.assert_readers_hold(tensors[impl])
+    # every kind of frame was compared: sparse at 1%, masked at 50%
+    assert kinds[2, SPARSE] and kinds[4, MASKED], kinds
 
 
 @interpreted
@@ -1275,6 +1378,11 @@ def test_interp_groups_of_plain_buckets(monkeypatch, pieces):
 @interpreted
 def test_interp_the_apply_kernel_skips_and_reports_indices_outside_their_route():
     damaged_index_case("cpu", "triton")
+
+
+@interpreted
+def test_interp_the_apply_kernels_report_masked_frames_whose_bits_disagree():
+    damaged_mask_case("cpu", "triton")
 
 
 def aligned_routes_case(device: str) -> None:

@@ -27,6 +27,7 @@ from tests.test_codec_delta import (
     assert_exact,
     change,
     damaged_index_case,
+    damaged_mask_case,
     kernels_equal_torch,
     readers,
     unchanged_sync_bytes,
@@ -72,6 +73,14 @@ def test_a_damaged_sparse_index_is_not_written_on_the_gpu(impl):
     """The torch path refuses the group before applying it (an index out of range would stop
     the device); the apply kernel skips the element and the reader's check names it."""
     damaged_index_case("cuda", impl)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_damaged_masked_frame_is_not_written_outside_its_route_on_the_gpu(impl):
+    """The torch path refuses a masked frame whose bits disagree with its values before
+    applying the group; the apply kernels write only the route's elements and the reader's
+    check names it."""
+    damaged_mask_case("cuda", impl)
 
 
 def _start_on_cuda(codecs, bucket_bytes=2048, cast=None):

@@ -382,13 +382,15 @@ def _scenario_codecs(
     windows_per_pass: int | None = None,
     pieces: bool | None = None,
     announce: bool | None = None,
+    masks: bool | None = None,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
     defaults Fp8Config's), S7 deltas (checksums only on request; windows of ``window_mb``
     MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's; ``pieces``:
-    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, and ``announce``,
-    :attr:`DeltaConfig.announce`; None: their defaults)."""
+    groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, ``announce``,
+    :attr:`DeltaConfig.announce`, and ``masks``, :attr:`DeltaConfig.masks`; None: their
+    defaults)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
@@ -404,6 +406,8 @@ def _scenario_codecs(
             window["pieces"] = pieces
         if announce is not None:
             window["announce"] = announce
+        if masks is not None:
+            window["masks"] = masks
         return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
 
@@ -419,6 +423,7 @@ def _codec_flags(a) -> dict:
         "windows_per_pass": a.windows_per_pass,
         "pieces": a.pieces,
         "announce": a.announce,
+        "masks": a.masks,
     }
 
 
@@ -848,6 +853,7 @@ def _run_spec(
         entry["windows_per_pass"] = delta.windows_per_pass
         entry["pieces"] = delta.pieces
         entry["announce"] = delta.announce
+        entry["masks"] = delta.masks
         entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
     print(
         f"  {sname}{tag}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
@@ -938,6 +944,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="S7: a writer whose every group travels as pieces says so at the sync's begin, "
         "and readers post every receive at once (default: DeltaConfig.announce, off)",
+    )
+    p.add_argument(
+        "--masks",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="S7: routes may travel as masked frames (a bit per element, then the changed "
+        "values), or only sparse or dense (default: DeltaConfig.masks, on)",
     )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")

@@ -115,7 +115,8 @@ All of them with the shadow written by the compare pass."""
 
 # writer route row (int64): new values' address (or offset in the window's scratch), 1 if
 # in scratch, shadow offset (bytes, in the window's shadow bytes), first tile, elements, tiles
-# per row, slot (the route's index in the window), 0; then its dims from the last:
+# per row, slot (the route's index in the window), 1 if its tiles' bitmasks are whole words of
+# a masked frame's (else their bits are ORed in one by one); then its dims from the last:
 # n3, s3, n2, s2, n1, s1, s0, 0 (elements; leading dims padded with extent 1)
 _WF = 16
 _RF: tl.constexpr = tl.constexpr(_WF)
@@ -127,7 +128,10 @@ _TF: tl.constexpr = tl.constexpr(_TFH)
 _EFH = 8
 _EF: tl.constexpr = tl.constexpr(_EFH)
 # a writer plan row (int64), made by the encoder: kind (0: only bring the shadow up to date,
-# 1: sparse frame, 2: dense frame), frame offset (bytes in the store), values offset, index size
+# 1: sparse frame, 2: dense frame, 3: masked frame), frame offset (bytes in the store: its
+# indices, or its bitmask), values offset, index size (sparse frames; else 0)
+# reader masked entry (int64): first tile, target row, values offset, bitmask offset (bytes in
+# the buffer), elements of the route, values (the frame's count), 0, 0
 # elements compared and copied as integers of their width: raw bits
 _INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
@@ -397,26 +401,64 @@ def _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr, stor
 
 
 @triton.jit
+def _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """Tile ``g``'s bits into its route's masked frame, if the route has one: the frame's
+    bitmask is over the route's elements in flat (row-major) order, bit ``k`` of word ``w``
+    element ``32 w + k``. A tile covers consecutive flat elements (of one row, in ROWS
+    mode); where they start at a multiple of 32 (the route row's flag) its words are stored
+    whole, else its bits are ORed into the frame's words one by one (the frame starts at
+    zero, and two tiles may share a word)."""
+    W: tl.constexpr = BLOCK // 32
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    p = plan_ptr + tl.load(row + 6) * 4
+    if tl.load(p) == 3:
+        t = g - tl.load(row + 3)
+        if MODE == 1:
+            tpr = tl.load(row + 5)
+            ncols = tl.load(row + 8)
+            rr = t // tpr
+            c0 = (t - rr * tpr) * BLOCK
+            u0 = rr * ncols + c0
+            n = tl.minimum(ncols - c0, BLOCK)
+        else:
+            u0 = t * BLOCK
+            n = tl.minimum(tl.load(row + 4) - u0, BLOCK)
+        frame = (store_ptr + tl.load(p + 1)).to(tl.pointer_type(tl.int32))
+        w = tl.arange(0, W)
+        words = tl.load(bits_ptr + g * W + w)
+        if tl.load(row + 7) != 0:
+            tl.store(frame + u0 // 32 + w, words, mask=w * 32 < n)
+        else:
+            lane = tl.arange(0, 32)[None, :]
+            hit = tl.reshape((words[:, None] >> lane) & 1, [BLOCK]) != 0
+            u = u0 + tl.arange(0, BLOCK)
+            one = tl.full([BLOCK], 1, tl.int32) << (u % 32).to(tl.int32)
+            tl.atomic_or(frame + u // 32, one, mask=hit & (tl.arange(0, BLOCK) < n))
+
+
+@triton.jit
 def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr,
                 store_ptr, g, live, T: tl.constexpr, BLOCK: tl.constexpr,
                 ASM: tl.constexpr):  # fmt: skip
     """What the emit kernel reads first of tiles ``g`` (one, or a column of them) that are
     ``live``: their routes' rows, their tile indices in their routes, their plan rows and
-    frame kinds, where their new values are, where a sparse frame's values and indices go
-    and the index size (null and 0 for other kinds), their bitmasks' words (none but for a
-    sparse frame), the words' popcounts, and where each word's first changed element
-    goes: the k-th changed element of a route goes to place k of its sparse frame (a tile's
-    changed elements come in word order, and in bit order within a word)."""
+    frame kinds, where their new values are, where a sparse or masked frame's values and a
+    sparse frame's indices go and the index size (null and 0 for other kinds; 0 for a
+    masked frame), their bitmasks' words (none but for those two), the words' popcounts,
+    and where each word's first changed element goes: the k-th changed element of a route
+    goes to place k of its frame's values (a tile's changed elements come in word order,
+    and in bit order within a word)."""
     W: tl.constexpr = BLOCK // 32
     row = routes_ptr + tl.load(tiles_ptr + g, mask=live, other=0).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
     kind = tl.load(p, mask=live, other=0)
     new_ptr = _regions(row, work_ptr, scratch_ptr, T)[0]
-    sparse = kind == 1
+    sparse = (kind == 1) | (kind == 3)  # (a masked frame's values: as a sparse frame's)
     values_at = tl.where(sparse, store_ptr.to(tl.int64) + tl.load(p + 2), 0)
     index_at = store_ptr + tl.load(p + 1)
     ix = tl.where(sparse, tl.load(p + 3), 0)
-    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=live & (kind == 1), other=0)
+    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=live & sparse, other=0)
     words = words.to(tl.uint32, bitcast=True)
     per_word = _popcount(words, ASM)
     place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
@@ -472,6 +514,11 @@ def _emit_kernel(
                 if pid * R + r < n:
                     _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr,
                                     store_ptr, first + pid * R + r, T, MODE, BLOCK)  # fmt: skip
+        if tl.max(tl.max((kind == 3).to(tl.int32), axis=1), axis=0) > 0:
+            for r in range(R):
+                if pid * R + r < n:
+                    _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr,
+                                   first + pid * R + r, MODE, BLOCK)  # fmt: skip
         word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
         # the first steps load their elements together, so that their latencies overlap
         tl.static_assert(TOGETHER == 2 or TOGETHER == 3, "2 or 3 steps together")
@@ -494,6 +541,8 @@ def _emit_kernel(
     elif kind == 2:
         _emit_dense(row, t, p, new_ptr, store_ptr, T, MODE, BLOCK)
     else:
+        if kind == 3:
+            _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK)
         lane = tl.arange(0, 32)[None, :].to(tl.uint32)
         below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
         at_k = tl.reshape(place[:, None] + below, [BLOCK])
@@ -555,6 +604,81 @@ def _apply_kernel(
         off = _flat(row + 1, t)
     tl.store(tl.load(row).to(tl.pointer_type(T)) + off, vals, mask=valid & inside)
     outside = tl.sum((valid & (inside == 0)).to(tl.int64), axis=0)
+    if outside > 0:  # faults: elements refused, and the last route that had one (+1)
+        tl.atomic_add(faults_ptr, outside)
+        tl.atomic_max(faults_ptr + 1, route + 1)
+
+
+@triton.jit
+def _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    """Program ``pid``'s masked entry (its tiles: ``BLOCK`` elements each of the route's
+    flat order), its tile in the route, and that tile's words of the frame's bitmask (0 past
+    the route's) with their popcounts."""
+    W: tl.constexpr = BLOCK // 32
+    e = _entry(entries_ptr, n, steps, pid)
+    b = pid - tl.load(e)
+    w = b * W + tl.arange(0, W)
+    at = (buf_ptr + tl.load(e + 3)).to(tl.pointer_type(tl.int32))
+    words = tl.load(at + w, mask=w < (tl.load(e + 4) + 31) // 32, other=0)
+    words = words.to(tl.uint32, bitcast=True)
+    return e, b, words, _popcount(words, ASM)
+
+
+@triton.jit(do_not_specialize=["n", "steps"])
+def _mask_count_kernel(entries_ptr, n, steps, buf_ptr, counts_ptr, BLOCK: tl.constexpr,
+                       ASM: tl.constexpr):  # fmt: skip
+    """Each tile's set bits of masked frames (entries as for :func:`_apply_mask_kernel`),
+    at ``counts_ptr`` from 1 (0 at 0), for a cumsum: where each tile's values start."""
+    pid = tl.program_id(0).to(tl.int64)
+    per_word = _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK, ASM)[3]
+    tl.store(counts_ptr + pid + 1, tl.sum(per_word, axis=0))
+    tl.store(counts_ptr + pid * 0, pid * 0, mask=pid == 0)
+
+
+@triton.jit(do_not_specialize=["n", "steps"])
+def _apply_mask_kernel(
+    entries_ptr,
+    n,
+    steps,
+    targets_ptr,
+    buf_ptr,
+    cum_ptr,
+    faults_ptr,
+    T: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Masked frames into their routes' regions, a tile of ``BLOCK`` elements (of a route's
+    flat order) a program: the k-th set bit of a route's bitmask takes its k-th value,
+    placed by ``cum_ptr`` (the cumsum of :func:`_mask_count_kernel`'s counts) and popcounts.
+    A bit past the route's elements or past its values, and a route whose bits do not number
+    its values (counted by its last tile), are faults, as for :func:`_apply_kernel`."""
+    pid = tl.program_id(0).to(tl.int64)
+    e, b, words, per_word = _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK, ASM)
+    t0 = tl.load(e)
+    count = tl.load(e + 5)
+    lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+    below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+    place = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)
+    place = place + tl.cumsum(per_word, axis=0) - per_word
+    at = tl.reshape(place[:, None] + below, [BLOCK])
+    hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+    route = tl.load(e + 1)
+    row = targets_ptr + route * _TF
+    u = b * BLOCK + tl.arange(0, BLOCK)
+    ok = hit & (u < tl.load(row + 8)) & (at < count)
+    vals = tl.load((buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + at, mask=ok)
+    if CONTIGUOUS:
+        off = u
+    else:
+        off = _flat(row + 1, u)
+    tl.store(tl.load(row).to(tl.pointer_type(T)) + off, vals, mask=ok)
+    outside = tl.sum((hit & (ok == 0)).to(tl.int64), axis=0)
+    tiles = (tl.load(e + 4) + BLOCK - 1) // BLOCK
+    if b == tiles - 1:  # the route's last tile: do its bits number its values?
+        total = tl.load(cum_ptr + t0 + tiles) - tl.load(cum_ptr + t0)
+        outside += tl.abs(total - count)
     if outside > 0:  # faults: elements refused, and the last route that had one (+1)
         tl.atomic_add(faults_ptr, outside)
         tl.atomic_max(faults_ptr + 1, route + 1)
@@ -716,8 +840,11 @@ class WindowTable:
             ncols = dims[-1][0]
             tpr = -(-ncols // block)
             tiles = (numel // ncols) * tpr if mode == ROWS else -(-numel // block)
+            # whether each tile's bits are whole words of the route's flat bitmask (a masked
+            # frame's), its first element at a multiple of 32: all but rows of other lengths
+            words = int(mode != ROWS or ncols % 32 == 0)
             mode = _aligned_mode(mode, dims, addr, old_at, numel)
-            row = [addr, filled, old_at, 0, numel, tpr, slot, 0, *_dims_row(dims)]
+            row = [addr, filled, old_at, 0, numel, tpr, slot, words, *_dims_row(dims)]
             rows.append(((isz, mode), tiles, row, slot))
         rows.sort(key=lambda r: r[0])  # stable: route order within a group
         self.groups: list[tuple[int, int, int, int]] = []
@@ -947,11 +1074,19 @@ class TargetTable:
         buf = torch.empty(1, dtype=torch.uint8, device=self.device)
         kinds = sorted(set(zip(self.itemsize.tolist(), self.contiguous.tolist(), strict=True)))
         sub, warps = COPY_IN
+        counts = torch.empty(1, dtype=torch.int32, device=self.device)
         with _device_context(self.device):
+            _mask_count_kernel.warmup(
+                entries, 2, 1, buf, counts, BLOCK=self.block, ASM=True, num_warps=4, grid=(1,)
+            )
             for size, contig in kinds:
                 _apply_kernel.warmup(
                     entries, 2, 1, self._targets, buf, self._faults, T=_INT[size],
                     CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,),
+                )  # fmt: skip
+                _apply_mask_kernel.warmup(
+                    entries, 2, 1, self._targets, buf, entries, self._faults, T=_INT[size],
+                    CONTIGUOUS=contig, BLOCK=self.block, ASM=True, num_warps=4, grid=(1,),
                 )  # fmt: skip
                 for aligned in (True, False) if contig else ():
                     _copy_in_kernel.warmup(
@@ -1021,3 +1156,55 @@ class TargetTable:
                         at, n_ent, steps, self._targets, buf, self._faults, T=_INT[size],
                         CONTIGUOUS=f, BLOCK=self.block, num_warps=4,
                     )  # fmt: skip
+
+    def apply_masked(
+        self,
+        buf: torch.Tensor,
+        route: np.ndarray,
+        bits: np.ndarray,
+        values: np.ndarray,
+        numel: np.ndarray,
+        count: np.ndarray,
+    ) -> None:
+        """Write masked frames of ``buf`` (uint8, on the device) into their routes' regions,
+        one entry per frame: its global ``route``, the byte offsets of its ``bits`` (the
+        bitmask) and its ``values``, the route's ``numel`` elements and the frame's ``count``
+        of values. Per element size and addressing mode two launches (each tile's popcount,
+        then the apply kernel), and one cumsum between them for all."""
+        keep = numel > 0
+        route, bits, values, numel, count = (a[keep] for a in (route, bits, values, numel, count))
+        if not len(route):
+            return
+        tiles = -(-numel // self.block)
+        isz = self.itemsize[route]
+        contiguous = self.contiguous[route]
+        order = np.lexsort((contiguous, isz))  # groups of one launch; stable within
+        ent = np.zeros((len(route), _EFH), np.int64)
+        ent[:, 1:6] = np.stack([route, values, bits, numel, count], 1)
+        ent, tiles, isz, contiguous = ent[order], tiles[order], isz[order], contiguous[order]
+        cuts = np.flatnonzero((np.diff(isz) != 0) | (np.diff(contiguous) != 0))
+        bounds = [0, *(cuts + 1).tolist(), len(ent)]
+        # per launch: its entries, its tiles numbered from 0, and its counts from a slot of
+        # its own (a 0, then a count per tile: the cumsum's differences are its prefixes)
+        launches, slot = [], 0
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            t = tiles[a:b]
+            ent[a:b, 0] = np.cumsum(t) - t
+            launches.append((a, b, int(t.sum()), slot))
+            slot += int(t.sum()) + 1
+        entries = _on(ent, self.device)
+        counts = torch.empty(slot, dtype=torch.int32, device=self.device)
+        asm = not INTERPRETED
+        with _device_context(self.device):
+            for a, b, n, at in launches:
+                _mask_count_kernel[(n,)](
+                    entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(), buf,
+                    counts[at:], BLOCK=self.block, ASM=asm, num_warps=4,
+                )  # fmt: skip
+            cum = torch.cumsum(counts, 0)
+            for a, b, n, at in launches:
+                _apply_mask_kernel[(n,)](
+                    entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(),
+                    self._targets, buf, cum[at:], self._faults, T=_INT[int(isz[a])],
+                    CONTIGUOUS=bool(contiguous[a]), BLOCK=self.block, ASM=asm, num_warps=4,
+                )  # fmt: skip

@@ -143,7 +143,7 @@ __all__ = [
 ]
 
 MAGIC = int.from_bytes(b"WBD2", "little")
-DENSE, SPARSE = 1, 2
+DENSE, SPARSE, MASKED = 1, 2, 3
 FLAG_CHECKSUM, FLAG_PLAIN, FLAG_AHEAD, FLAG_PIECES = 1, 2, 4, 8
 ALIGN = 16
 # header: magic, frames, flags, reserved, used, version, base version, checksum
@@ -169,9 +169,15 @@ class DeltaConfig:
     """Sparse deltas on the wire (writer-side choices; both sides must enable it)."""
 
     max_changed_fraction: float | None = None
-    """A route travels sparse only while at most this fraction of its elements changed; None:
-    whenever its sparse frame is smaller than its dense bytes (below 1/3 of a bf16 route's
-    elements changed, 1/5 of an FP8 route's)."""
+    """A route travels as a delta (sparse or masked) only while at most this fraction of its
+    elements changed; None: whenever that frame is smaller than its dense bytes (below 15/16
+    of a bf16 route's elements changed with :attr:`masks`, below 1/3 without)."""
+    masks: bool = True
+    """Whether a route may travel as a masked frame (a bit per element, then the changed
+    values) where that is smaller than its sparse frame (indices and values) and its dense
+    bytes: for bf16 from about 3% to 15/16 of its elements changed. At 50% changed a bf16
+    route then takes 56% of its dense bytes on the wire, where a sparse frame takes 150%
+    (so it went dense). Writer-side only (readers take either)."""
     checksum_every: int = 20
     """Every this many syncs the readers verify a checksum of every bucket; 0: only on request."""
     shadow: str = "device"
@@ -237,6 +243,10 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _aligned(n: np.ndarray) -> np.ndarray:
+    return -(-n // ALIGN) * ALIGN
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -277,8 +287,9 @@ def window_index(nbytes: Sequence[int], window_bytes: int) -> list[int]:
 
 GROUP_ALIGN = 256
 """Where each bucket of a window's group starts in the group's message (bytes)."""
-GROUP_FORMAT = 4
-"""The layout and order of a group's messages, part of the codec agreement: 4, a group of
+GROUP_FORMAT = 5
+"""The layout and order of a group's messages, part of the codec agreement: 5, a route may
+travel as a masked frame (kind 3: a bitmask, then the changed values); 4, a group of
 plain buckets may travel as its pieces (``FLAG_PIECES``, :func:`group_pieces`); 3, a group's
 directories may come before the previous group's buckets (``FLAG_AHEAD``); 2, always after
 them; 1 repeated each bucket's directory in the second message."""
@@ -574,8 +585,30 @@ _WIDE = 2**31
 """Routes of at least this many elements number them with 8-byte indices, others 4-byte."""
 # what the emit pass does with a route (a plan row's kind, shared with the Triton kernels):
 # only bring its shadow up to date (it travels in a bucket sent whole; the Triton kernels'
-# compare pass already did), write its sparse frame, or write its dense frame
-_KEEP, _SPARSE_FRAME, _DENSE_FRAME = 0, 1, 2
+# compare pass already did), write its sparse frame, its dense frame, or its masked frame
+_KEEP, _SPARSE_FRAME, _DENSE_FRAME, _MASK_FRAME = 0, 1, 2, 3
+
+
+def mask_bytes(numel: int | np.ndarray):
+    """Bytes of a masked frame's bitmask over ``numel`` elements: 32-bit words, padded to
+    :data:`ALIGN` (its values follow)."""
+    return _aligned(-(-np.asarray(numel, np.int64) // 32) * 4)
+
+
+def _pack_mask(mask: torch.Tensor, out: torch.Tensor) -> None:
+    """Write bool ``mask`` (flat) as bits into ``out`` (uint8): bit ``k`` of byte ``b`` is
+    element ``8 b + k`` (so bit ``k`` of little-endian word ``w`` is element ``32 w + k``)."""
+    n = mask.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    out[: len(padded) // 8].copy_((padded.view(-1, 8) << shifts).sum(1, dtype=torch.uint8))
+
+
+def _unpack_mask(bits: torch.Tensor) -> torch.Tensor:
+    """Every bit of ``bits`` (uint8) as a bool, in :func:`_pack_mask`'s order."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return ((bits.view(-1, 1) >> shifts) & 1).view(-1).bool()
 
 
 @functools.cache
@@ -610,10 +643,6 @@ def _kernels(impl: str, device: torch.device, who: str):
             "only run in Triton's interpreter, TRITON_INTERPRET=1); use impl='auto'"
         )
     return kernels
-
-
-def _aligned(n: np.ndarray) -> np.ndarray:
-    return -(-n // ALIGN) * ALIGN
 
 
 class _Bucket:
@@ -691,11 +720,12 @@ class _TorchWindow:
     def counts(self, mask) -> tuple[np.ndarray, object]:
         pos = mask.nonzero().view(-1)  # waits for the compare
         bounds = torch.searchsorted(pos, self._starts).cpu().numpy()
-        return np.diff(bounds), (pos, bounds)
+        return np.diff(bounds), (pos, bounds, mask)
 
     def emit(self, state, work, scratch, plan: np.ndarray, store, changed: int = 0) -> None:
-        pos, bounds = state
+        pos, bounds, mask = state
         pairs = self._views(work, scratch)
+        starts = self.starts.tolist()
         for k, (kind, at, vat, ix) in enumerate(plan.tolist()):
             new, old = pairs[k]
             b0, b1 = int(bounds[k]), int(bounds[k + 1])
@@ -703,16 +733,21 @@ class _TorchWindow:
                 store[at : at + new.numel() * new.element_size()].view(new.dtype).view(
                     new.shape
                 ).copy_(new)
-            if kind != _SPARSE_FRAME:
+            if kind == _MASK_FRAME:
+                _pack_mask(mask[starts[k] : starts[k + 1]], store[at:vat])
+            elif kind != _SPARSE_FRAME:
                 if b1 > b0:
                     old.copy_(new)
                 continue
             n = b1 - b0
             if not n:
                 continue
-            idx = store[at : at + n * ix].view(_INT_OF_SIZE[ix])
             vals = store[vat : vat + n * new.element_size()].view(new.dtype)
-            torch.sub(pos[b0:b1], int(self.starts[k]), out=idx)
+            if kind == _MASK_FRAME:
+                idx = pos[b0:b1] - starts[k]
+            else:
+                idx = store[at : at + n * ix].view(_INT_OF_SIZE[ix])
+                torch.sub(pos[b0:b1], starts[k], out=idx)
             if new.is_contiguous():
                 torch.index_select(new.view(-1), 0, idx, out=vals)
             else:
@@ -994,7 +1029,7 @@ class DeltaEncoder:
             counts, _ = lay.table.counts(state)
             if sampled:  # the sampled tiles' count, scaled to the whole route
                 counts = counts * lay.numel // np.maximum(lay.table.sampled, 1)
-            if self._choose(lay, counts).any():
+            if (self._choose(lay, counts) != DENSE).any():
                 self._dense.discard(w)  # some route would have gone sparse: compare next time
         self._tally.clear()
         self._decision = None
@@ -1480,14 +1515,14 @@ class DeltaEncoder:
             self._open[w + 1] = self._compare(w + 1, decision)
         dense_peer = np.array([bk.op.peer in decision.dense for bk in lay.bks], bool)
         if win.dense:
-            sparse = np.zeros(len(lay.numel), bool)
+            kind = np.full(len(lay.numel), DENSE, np.int64)
         else:
-            sparse = self._choose(lay, counts) & ~dense_peer[lay.bucket]
-            if len(sparse) and not sparse.any() and not dense_peer.any():
+            kind = np.where(dense_peer[lay.bucket], DENSE, self._choose(lay, counts))
+            if len(kind) and (kind == DENSE).all() and not dense_peer.any():
                 self._dense.add(w)  # every route went dense: so will the next sync, likely
             else:
                 self._dense.discard(w)
-        plan = self._plan(win, decision, counts, sparse)
+        plan = self._plan(win, decision, counts, kind)
         if not win.dense:
             lay.table.emit(win.state, win.work, win.scratch, plan, win.store, int(counts.sum()))
         if not self._local:
@@ -1523,32 +1558,41 @@ class DeltaEncoder:
             self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
-        """Per route: whether it travels sparse (its frame is smaller than its bytes)."""
+        """Per route: its frame's kind (DENSE, SPARSE or MASKED), the smallest on the wire
+        (sparse where it ties with masked)."""
         m, isz = lay.numel, lay.isz
         ix = np.where(m < _WIDE, 4, 8)
-        frame = _aligned(counts * ix) + counts * isz
-        ok = _aligned(frame) < _aligned(m * isz)
+        sparse = _aligned(_aligned(counts * ix) + counts * isz)
+        masked = _aligned(mask_bytes(m) + counts * isz)
+        if not self.config.masks:
+            masked = np.full_like(masked, np.iinfo(np.int64).max)
+        kind = np.where(masked < sparse, MASKED, SPARSE)
+        ok = np.minimum(sparse, masked) < _aligned(m * isz)
         f = self.config.max_changed_fraction
         if f is not None:
             ok &= counts <= f * m
-        return ok
+        return np.where(ok, kind, DENSE)
 
-    def _plan(self, win: _Window, decision: DeltaDecision, counts, sparse) -> np.ndarray:
-        """Each bucket's frames, directory and place in the window's store; returns the emit
-        pass's plan: per route (kind, frame offset in the store, values offset, index size)."""
+    def _plan(self, win: _Window, decision: DeltaDecision, counts, kind) -> np.ndarray:
+        """Each bucket's frames (``kind`` per route, :meth:`_choose`), directory and place in
+        the window's store; returns the emit pass's plan: per route (kind, frame offset in
+        the store, values offset, index size)."""
         lay = win.lay
         nb = len(lay.bks)
-        ix = np.where(lay.numel < _WIDE, 4, 8)
-        index_bytes = _aligned(counts * ix)
-        size = np.where(sparse, index_bytes + counts * lay.isz, lay.nbytes)
-        framed = np.bincount(lay.bucket, weights=sparse, minlength=nb) > 0
+        sparse, masked = kind == SPARSE, kind == MASKED
+        delta = sparse | masked
+        ix = np.where(sparse, np.where(lay.numel < _WIDE, 4, 8), 0)
+        # a delta frame: its indices or its bitmask, then its values
+        index_bytes = np.where(masked, mask_bytes(lay.numel), _aligned(counts * ix))
+        size = np.where(delta, index_bytes + counts * lay.isz, lay.nbytes)
+        framed = np.bincount(lay.bucket, weights=delta, minlength=nb) > 0
         in_frames = framed[lay.bucket]
-        # within a framed bucket: dense routes first, then sparse ones, each in route order
-        order = np.lexsort((np.arange(len(sparse)), sparse, lay.bucket))
+        # within a framed bucket: dense routes first, then delta ones, each in route order
+        order = np.lexsort((np.arange(len(delta)), delta, lay.bucket))
         step = np.where(in_frames, _aligned(size), 0)[order]
         at = np.cumsum(step) - step
         opens = np.searchsorted(lay.bucket[order], np.arange(nb))  # each bucket's first
-        start = np.zeros(len(sparse), np.int64)
+        start = np.zeros(len(delta), np.int64)
         start[order] = at - at[np.minimum(opens, len(at) - 1)][lay.bucket[order]]
         body = np.zeros(nb, np.int64)  # bytes after the directory
         np.maximum.at(body, lay.bucket, np.where(in_frames, start + size, 0))
@@ -1563,21 +1607,21 @@ class DeltaEncoder:
         store_at[lay.order] = np.cumsum(room) - room
         in_whole = whole[lay.bucket]
         frame = store_at[lay.bucket] + np.where(in_whole, lay.offset, start)
-        plan = np.zeros((len(sparse), 4), np.int64)
-        dense = in_frames | in_whole
-        plan[:, 0] = np.where(sparse, _SPARSE_FRAME, np.where(dense, _DENSE_FRAME, _KEEP))
+        plan = np.zeros((len(delta), 4), np.int64)
+        dense = np.where(in_frames | in_whole, _DENSE_FRAME, _KEEP)
+        plan[:, 0] = np.where(sparse, _SPARSE_FRAME, np.where(masked, _MASK_FRAME, dense))
         plan[:, 1] = frame
         plan[:, 2] = frame + index_bytes
         plan[:, 3] = ix
-        # directories: the template (every route dense), then the sparse entries and headers
+        # directories: the template (every route dense), then the delta entries and headers
         meta = bytearray(lay.template)
-        if sparse.any():
+        if delta.any():
             ent = np.frombuffer(meta, dtype=_ENT_FIELDS)
-            rec = lay.records[sparse]
-            ent["kind"][rec] = SPARSE
-            ent["ix"][rec] = ix[sparse]
-            ent["unit"][rec] = lay.isz[sparse]
-            ent["count"][rec] = counts[sparse]
+            rec = lay.records[delta]
+            ent["kind"][rec] = kind[delta]
+            ent["ix"][rec] = ix[delta]
+            ent["unit"][rec] = lay.isz[delta]
+            ent["count"][rec] = counts[delta]
         flags = FLAG_CHECKSUM if decision.checksum else 0
         for b, bk in enumerate(lay.bks):
             op, head, m_at = bk.op, bk.head, int(lay.meta_at[b])
@@ -1825,9 +1869,13 @@ class _Directories:
     flags: np.ndarray
     checksum: np.ndarray
     sparse: np.ndarray
-    """Per route: whether its frame is sparse (else dense)."""
+    """Per route: whether its frame is sparse (indices, then values)."""
+    masked: np.ndarray
+    """Per route: whether its frame is masked (a bitmask, then values); else (neither) dense."""
     offset: np.ndarray
     """Per route: its frame's byte offset from its bucket's first frame."""
+    lead: np.ndarray
+    """Per route: the bytes of its frame before its values (indices or bitmask; 0: dense)."""
     ix: np.ndarray
     unit: np.ndarray
     count: np.ndarray
@@ -2080,7 +2128,15 @@ class DeltaDecoder:
             & (nbytes % per_unit == 0)
             & (count <= (nbytes // per_unit).astype(np.uint64))
         )
-        bad = np.flatnonzero(~(dense | sparse))
+        masked = (
+            (kind == MASKED)
+            & ~plain[span.bucket]
+            & (isz == want)
+            & (ix == 0)
+            & (unit == want)
+            & (count <= (nbytes // want).astype(np.uint64))
+        )
+        bad = np.flatnonzero(~(dense | sparse | masked))
         if len(bad):
             i = int(bad[0])
             k = int(span.bucket[i])
@@ -2095,16 +2151,20 @@ class DeltaDecoder:
         count = count.astype(np.int64)
         step = np.where(dense, _aligned(nbytes), 0)
         first = np.add.reduceat(step, span.starts)  # per bucket: where its sparse frames start
-        frame = np.where(sparse, _aligned(count * ix) + count * unit, 0)
+        # a delta frame: its indices or its bitmask, then its values
+        lead = np.where(sparse, _aligned(count * ix), 0)
+        lead = np.where(masked, mask_bytes(nbytes // want), lead)
+        frame = np.where(sparse | masked, lead + count * unit, 0)
         offset = np.where(
             dense,
             _within(step, span.starts, span.bucket),
             first[span.bucket] + _within(_aligned(frame), span.starts, span.bucket),
         )
         offset = np.where(plain[span.bucket], span.offset, offset)
-        # a bucket's frames end with its last sparse frame, or its dense ones
+        # a bucket's frames end with its last delta frame, or its dense ones
         end = np.maximum(
-            first, np.maximum.reduceat(np.where(sparse, offset + frame, 0), span.starts)
+            first,
+            np.maximum.reduceat(np.where(sparse | masked, offset + frame, 0), span.starts),
         )
         end = np.where(plain, span.nbytes_op, end)
         bad = np.flatnonzero(span.head_bytes + end != head["used"].astype(np.int64))
@@ -2123,7 +2183,9 @@ class DeltaDecoder:
             head["flags"].astype(np.int64),
             head["checksum"],
             sparse,
+            masked,
             offset,
+            lead,
             ix,
             unit,
             count,
@@ -2321,10 +2383,12 @@ class DeltaDecoder:
         self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor, d: _Directories
     ) -> None:
         """Raise, before anything is applied, for a sparse frame whose indices fall outside
-        its route (torch path; the apply kernel skips and counts such elements instead, see
+        its route, or a masked frame whose bits do not number its values within its route
+        (torch path; the apply kernels skip and count such elements instead, see
         :meth:`check`): with frames in host memory a numpy pass over their indices, ~4 bytes
         per changed element; on a GPU two reductions per frame and one wait per group, where
         an index out of range would otherwise stop the device."""
+        self._check_masks(parts, buf, d)
         frames = []  # (bucket's place in parts, route in the bucket, row in the span, bytes)
         for k, (_, at) in enumerate(parts):
             mine = d.span.routes_of(k)
@@ -2354,6 +2418,44 @@ class DeltaDecoder:
                 f"{int(units[f])} units of {int(d.unit[j])} bytes in its route: the frame was "
                 "damaged in transit or the two sides disagree on the plan; nothing of this "
                 "group was applied",
+            )
+
+    def _check_masks(
+        self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor, d: _Directories
+    ) -> None:
+        """Raise, before anything is applied, for a masked frame whose bitmask sets another
+        number of bits than its count of values, or bits past its route's elements."""
+        frames = []  # (bucket's place in parts, route in the bucket, row in the span, bytes)
+        for k, (_, at) in enumerate(parts):
+            mine = d.span.routes_of(k)
+            for i in np.flatnonzero(d.masked[mine]).tolist():
+                j = mine.start + i
+                off = at + int(d.offset[j])
+                frames.append((k, i, j, off, off + int(d.lead[j])))
+        if not frames:
+            return
+        numel = [int(d.span.nbytes[j] // d.span.isz[j]) for _, _, j, _, _ in frames]
+        if buf.device.type == "cpu":
+            host = buf.numpy()  # the same bytes (numpy: no torch op per frame)
+            bits = [np.unpackbits(host[a:b], bitorder="little") for _, _, _, a, b in frames]
+            sums = np.array([(x.sum(), x[n:].sum()) for x, n in zip(bits, numel, strict=True)])
+        else:
+            on = [_unpack_mask(buf[a:b]) for _, _, _, a, b in frames]
+            sums = torch.stack(
+                [torch.stack([x.sum(), x[n:].sum()]) for x, n in zip(on, numel, strict=True)]
+            ).cpu().numpy()  # fmt: skip
+        want = np.array([d.count[j] for _, _, j, _, _ in frames], np.int64)
+        bad = np.flatnonzero((sums[:, 0] != want) | (sums[:, 1] != 0))
+        if len(bad):
+            f = int(bad[0])
+            k, i = frames[f][:2]
+            op = parts[k][0]
+            raise self._error(
+                op,
+                f"masked frame of {op.copies[i].tensor} sets {int(sums[f, 0])} bits "
+                f"({int(sums[f, 1])} past its {numel[f]} elements) for {int(want[f])} values: "
+                "the frame was damaged in transit or the two sides disagree on the plan; "
+                "nothing of this group was applied",
             )
 
     def ahead(self, op: BucketOp) -> bool:
@@ -2389,8 +2491,9 @@ class DeltaDecoder:
         tensor = op.copies[route - self._firsts[k]].tensor
         raise self._error(
             op,
-            f"{count} elements of sparse frames (of {tensor} among others) had indices outside "
-            "their routes and were not written: frames were damaged in transit or the two "
+            f"{count} elements of delta frames (of {tensor} among others) had indices outside "
+            "their routes, or bits that did not number their values, and were not written: "
+            "frames were damaged in transit or the two "
             "sides disagree on the plan; the live tensors hold part of this sync, the next "
             "one must be dense",
         )
@@ -2407,19 +2510,32 @@ class DeltaDecoder:
         its place (in a room, :class:`_Room`; else 0)."""
         assert self._table is not None
         self._unchecked = True  # the launch's faults: read by check()
-        span, sp = d.span, d.sparse
-        at = np.array(d.at, np.int64)[span.bucket]
+        span, sp, mk = d.span, d.sparse, d.masked
+        frame = np.array(d.at, np.int64)[span.bucket] + shift + d.offset
         ratio = np.where(sp, d.unit // span.isz, 1)
-        nelem = np.where(sp, d.count * ratio, span.nbytes // span.isz)
+        numel = span.nbytes // span.isz
+        nelem = np.where(sp, d.count * ratio, numel)
+        if skip is not None:
+            nelem = np.where(skip, 0, nelem)
         self._table.apply(
             buf,
             route=span.row,
-            values=at + shift + np.where(sp, d.offset + _aligned(d.count * d.ix), d.offset),
-            nelem=nelem if skip is None else np.where(skip, 0, nelem),
-            index=np.where(sp, at + d.offset, 0),
+            values=frame + d.lead,
+            nelem=np.where(mk, 0, nelem),
+            index=np.where(sp, frame, 0),
             ix=np.where(sp, d.ix, 0),
             lr=(ratio > 1).astype(np.int64) + (ratio > 2) + (ratio > 4),
         )
+        if mk.any():
+            keep = mk & (nelem > 0)
+            self._table.apply_masked(
+                buf,
+                route=span.row[keep],
+                bits=frame[keep],
+                values=(frame + d.lead)[keep],
+                numel=numel[keep],
+                count=d.count[keep],
+            )
 
     def _apply_torch(
         self,
@@ -2434,22 +2550,26 @@ class DeltaDecoder:
         ``base[i]`` of ``buf`` plus its offset (the bucket's start, shifted in a room), but
         the routes ``skip`` marks."""
         regions = self._routes[op.bucket].regions
-        sparse, offset, count, ix, unit = (
-            a[mine] for a in (d.sparse, d.offset, d.count, d.ix, d.unit)
+        sparse, masked, offset, lead, count, ix, unit = (
+            a[mine] for a in (d.sparse, d.masked, d.offset, d.lead, d.count, d.ix, d.unit)
         )
         for i, c in enumerate(op.copies):
             if skip is not None and skip[i]:
                 continue  # (landed in place)
             off = int(base[i]) + int(offset[i])
-            if not sparse[i]:
+            if not (sparse[i] or masked[i]):
                 regions[i].copy_(buf[off : off + c.nbytes].view(c.dtype).view(c.shape))
                 continue
             n, size, width = int(count[i]), int(ix[i]), int(unit[i])
             if not n:
                 continue
-            idx = buf[off : off + n * size].view(_INT_OF_SIZE[size])
-            v = off + _align(n * size)
+            v = off + int(lead[i])
             vals = buf[v : v + n * width].view(_INT_OF_SIZE[width])
+            if masked[i]:
+                numel = c.nbytes // width
+                idx = _unpack_mask(buf[off:v])[:numel].nonzero().view(-1)
+            else:
+                idx = buf[off : off + n * size].view(_INT_OF_SIZE[size])
             flat, view, ratio = self._target(op, i, width)
             if ratio > 1:
                 step = torch.arange(ratio, dtype=torch.int64, device=idx.device)
