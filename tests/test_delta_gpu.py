@@ -232,7 +232,7 @@ def _step_large(
             canon[t.name] = torch.where(changed, x, canon[t.name])
 
 
-_ANNOUNCED_PERCENT = {2: 50, 3: 50, 4: 50}
+_ANNOUNCED_PERCENT = {2: 99, 3: 99, 4: 99}
 """The announce case: the percent of elements each version changes (1 where not listed)."""
 
 
@@ -455,8 +455,8 @@ def test_session_sync_over_nccl_uses_the_kernels(size, pieces, monkeypatch):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.timeout(300)
 def test_syncs_announced_as_pieces_over_nccl_are_bit_exact(monkeypatch):
-    """With ``DeltaConfig.announce``, over NCCL between two GPUs: a dense sync, three at 50%
-    changed (the first compared, then sent dense on a guess: announced, each group's pieces
+    """With ``DeltaConfig.announce``, over NCCL between two GPUs: a dense sync, three at 99%
+    changed (the first compared and sent dense, then sent dense on a guess: announced, each group's pieces
     before its directories, the reader posting every receive at once), then 1% (still on a
     guess, announced; its sample sees few
     changes) and 1% again (its windows stale, sent dense once more: announced). Syncs 3 and
@@ -492,8 +492,9 @@ def test_kernels_are_compiled_at_connect(monkeypatch):
     at_connect = _compiled(kernels)
     assert at_connect > before
     g = torch.Generator().manual_seed(3)
-    # dense, 1% (by steps), 50% (lanes; windows go dense), 50% again (sent dense on a guess)
-    for step, fraction in enumerate([0.0, 0.01, 0.5, 0.5, 0.01], start=1):
+    # dense, 1% (by steps), 50% (lanes, masked frames), 98% (windows go dense), 98% again
+    # (sent dense on a guess, a sample counted), 1%
+    for step, fraction in enumerate([0.0, 0.01, 0.5, 0.98, 0.98, 0.01], start=1):
         if fraction:
             change(canon, g, fraction)
         for lay, t in zip(ws, live, strict=True):
