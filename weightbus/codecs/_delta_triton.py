@@ -83,6 +83,10 @@ for 4 tiles; as column halves of a [rows, 8192] tensor 1.26 and 1.53 against 1.6
 8 warps, or 2 tiles, slower in all)."""
 EMIT_LANES = (1, 4)
 """Tiles per program (one) and warps of the emit pass, a lane per element."""
+EMIT_WORDS = True
+"""Whether the emit pass's lanes are laid out by the bitmask's words ([words, 32] elements a
+tile, every element loaded) rather than flat (each element's place reshaped from that
+layout, only changed elements loaded)."""
 COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
@@ -487,6 +491,7 @@ def _emit_kernel(
     STEPS: tl.constexpr,
     R: tl.constexpr,
     TOGETHER: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """Emit tiles: a dense frame's tile whole, else its changed elements. ``STEPS``: ``R``
     tiles a program, one step per set bit of the word that has the most, each step taking
@@ -494,7 +499,8 @@ def _emit_kernel(
     per element, placed by popcounts. (One kernel with both paths behind a test at run
     time was slower on both; one tile a program took the steps 1.5 times as long as 4, but
     lanes over several tiles were slower, as were lanes laid out by words of 32.)
-    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`)."""
+    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`); ``WORDS``: a
+    lane per element laid out by the bitmask's words (:data:`EMIT_WORDS`)."""
     pid = tl.program_id(0).to(tl.int64)
     if STEPS:  # (a compile-time test: each branch alone is compiled)
         k = pid * R + tl.arange(0, R)[:, None]
@@ -545,10 +551,19 @@ def _emit_kernel(
             _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK)
         lane = tl.arange(0, 32)[None, :].to(tl.uint32)
         below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-        at_k = tl.reshape(place[:, None] + below, [BLOCK])
-        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
-        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-        _take(new_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
+        if WORDS:
+            # element 32 w + k of the tile at [w, k]; every element loaded (at the fractions
+            # this path takes, most sectors hold a changed one)
+            hit = ((words[:, None] >> lane) & 1) != 0
+            j = tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+            u, valid, off = _at(row, t, j, MODE, BLOCK)
+            new = tl.load(new_ptr + off, mask=valid, other=0)
+            _put(new, u, hit, values_at, index_at, ix, place[:, None] + below)
+        else:
+            at_k = tl.reshape(place[:, None] + below, [BLOCK])
+            hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+            u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+            _take(new_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
 
 
 @triton.jit
@@ -928,6 +943,7 @@ class WindowTable:
                         self._owner, self._routes, b, b, q, i, q, b, first, n,
                         T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
                         STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                        WORDS=EMIT_WORDS,
                         num_warps=warps, grid=(1,),
                     )  # fmt: skip
 
@@ -1016,7 +1032,8 @@ class WindowTable:
                 _emit_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
                     T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
-                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)], num_warps=warps,
+                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                    WORDS=EMIT_WORDS, num_warps=warps,
                 )  # fmt: skip
 
 
