@@ -83,6 +83,9 @@ for 4 tiles; as column halves of a [rows, 8192] tensor 1.26 and 1.53 against 1.6
 8 warps, or 2 tiles, slower in all)."""
 EMIT_LANES = (1, 4)
 """Tiles per program (one) and warps of the emit pass, a lane per element."""
+APPLY_MASKED = (4, 8)
+"""Tiles of ``BLOCK`` elements per program of the reader's masked apply (one tile of its
+counts and its apply kernel), and warps."""
 EMIT_WORDS = True
 """Whether the emit pass's lanes are laid out by the bitmask's words ([words, 32] elements a
 tile, every element loaded) rather than flat (each element's place reshaped from that
@@ -560,10 +563,12 @@ def _emit_kernel(
             new = tl.load(new_ptr + off, mask=valid, other=0)
             _put(new, u, hit, values_at, index_at, ix, place[:, None] + below)
         else:
-            at_k = tl.reshape(place[:, None] + below, [BLOCK])
+            # the tile's first place (64 bits), then each element's from there (32 bits)
+            first = tl.min(place, axis=0)
+            at_k = tl.reshape((place - first).to(tl.int32)[:, None] + below, [BLOCK])
             hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
             u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-            _take(new_ptr, u, off, hit, values_at, index_at, ix, at_k, T)
+            _take(new_ptr, u, off, hit, values_at + first, index_at + first * ix, ix, at_k, T)
 
 
 @triton.jit
@@ -675,20 +680,21 @@ def _apply_mask_kernel(
     count = tl.load(e + 5)
     lane = tl.arange(0, 32)[None, :].to(tl.uint32)
     below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-    place = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)
-    place = place + tl.cumsum(per_word, axis=0) - per_word
-    at = tl.reshape(place[:, None] + below, [BLOCK])
+    # the tile's first value (64 bits, once), then its elements' places from there (32 bits)
+    first = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)
+    within = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [BLOCK])
     hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
     route = tl.load(e + 1)
     row = targets_ptr + route * _TF
-    u = b * BLOCK + tl.arange(0, BLOCK)
-    ok = hit & (u < tl.load(row + 8)) & (at < count)
-    vals = tl.load((buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + at, mask=ok)
+    j = tl.arange(0, BLOCK)
+    ok = hit & (j < tl.load(row + 8) - b * BLOCK) & (within < count - first)
+    values = (buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + first
+    vals = tl.load(values + within, mask=ok)
+    to = tl.load(row).to(tl.pointer_type(T))
     if CONTIGUOUS:
-        off = u
+        tl.store(to + b * BLOCK + j, vals, mask=ok)
     else:
-        off = _flat(row + 1, u)
-    tl.store(tl.load(row).to(tl.pointer_type(T)) + off, vals, mask=ok)
+        tl.store(to + _flat(row + 1, b * BLOCK + j), vals, mask=ok)
     outside = tl.sum((hit & (ok == 0)).to(tl.int64), axis=0)
     tiles = (tl.load(e + 4) + BLOCK - 1) // BLOCK
     if b == tiles - 1:  # the route's last tile: do its bits number its values?
@@ -1093,9 +1099,11 @@ class TargetTable:
         sub, warps = COPY_IN
         counts = torch.empty(1, dtype=torch.int32, device=self.device)
         with _device_context(self.device):
+            block, mask_warps = self._masked_shape()
             _mask_count_kernel.warmup(
-                entries, 2, 1, buf, counts, BLOCK=self.block, ASM=True, num_warps=4, grid=(1,)
-            )
+                entries, 2, 1, buf, counts, BLOCK=block, ASM=True, num_warps=mask_warps,
+                grid=(1,),
+            )  # fmt: skip
             for size, contig in kinds:
                 _apply_kernel.warmup(
                     entries, 2, 1, self._targets, buf, self._faults, T=_INT[size],
@@ -1103,7 +1111,7 @@ class TargetTable:
                 )  # fmt: skip
                 _apply_mask_kernel.warmup(
                     entries, 2, 1, self._targets, buf, entries, self._faults, T=_INT[size],
-                    CONTIGUOUS=contig, BLOCK=self.block, ASM=True, num_warps=4, grid=(1,),
+                    CONTIGUOUS=contig, BLOCK=block, ASM=True, num_warps=mask_warps, grid=(1,),
                 )  # fmt: skip
                 for aligned in (True, False) if contig else ():
                     _copy_in_kernel.warmup(
@@ -1174,6 +1182,11 @@ class TargetTable:
                         CONTIGUOUS=f, BLOCK=self.block, num_warps=4,
                     )  # fmt: skip
 
+    def _masked_shape(self) -> tuple[int, int]:
+        """Elements a program and warps of the masked apply (:data:`APPLY_MASKED`)."""
+        tiles, warps = APPLY_MASKED
+        return tiles * self.block, warps
+
     def apply_masked(
         self,
         buf: torch.Tensor,
@@ -1192,7 +1205,8 @@ class TargetTable:
         route, bits, values, numel, count = (a[keep] for a in (route, bits, values, numel, count))
         if not len(route):
             return
-        tiles = -(-numel // self.block)
+        block, warps = self._masked_shape()
+        tiles = -(-numel // block)
         isz = self.itemsize[route]
         contiguous = self.contiguous[route]
         order = np.lexsort((contiguous, isz))  # groups of one launch; stable within
@@ -1216,12 +1230,12 @@ class TargetTable:
             for a, b, n, at in launches:
                 _mask_count_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(), buf,
-                    counts[at:], BLOCK=self.block, ASM=asm, num_warps=4,
+                    counts[at:], BLOCK=block, ASM=asm, num_warps=warps,
                 )  # fmt: skip
             cum = torch.cumsum(counts, 0)
             for a, b, n, at in launches:
                 _apply_mask_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(),
                     self._targets, buf, cum[at:], self._faults, T=_INT[int(isz[a])],
-                    CONTIGUOUS=bool(contiguous[a]), BLOCK=self.block, ASM=asm, num_warps=4,
+                    CONTIGUOUS=bool(contiguous[a]), BLOCK=block, ASM=asm, num_warps=warps,
                 )  # fmt: skip
