@@ -564,11 +564,11 @@ def _emit_kernel(
             _put(new, u, hit, values_at, index_at, ix, place[:, None] + below)
         else:
             # the tile's first place (64 bits), then each element's from there (32 bits)
-            first = tl.min(place, axis=0)
-            at_k = tl.reshape((place - first).to(tl.int32)[:, None] + below, [BLOCK])
+            lead = tl.min(place, axis=0)
+            at_k = tl.reshape((place - lead).to(tl.int32)[:, None] + below, [BLOCK])
             hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
             u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-            _take(new_ptr, u, off, hit, values_at + first, index_at + first * ix, ix, at_k, T)
+            _take(new_ptr, u, off, hit, values_at + lead, index_at + lead * ix, ix, at_k, T)
 
 
 @triton.jit
