@@ -86,6 +86,10 @@ EMIT_LANES = (1, 4)
 APPLY_MASKED = (4, 8)
 """Tiles of ``BLOCK`` elements per program of the reader's masked apply (one tile of its
 counts and its apply kernel), and warps."""
+EMIT_WORDS = True
+"""Whether the emit pass's lanes are laid out by the bitmask's words ([words, 32] elements a
+tile, every element loaded) rather than flat (each element's place reshaped from that
+layout, only changed elements loaded)."""
 COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
@@ -490,6 +494,7 @@ def _emit_kernel(
     STEPS: tl.constexpr,
     R: tl.constexpr,
     TOGETHER: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """Emit tiles: a dense frame's tile whole, else its changed elements. ``STEPS``: ``R``
     tiles a program, one step per set bit of the word that has the most, each step taking
@@ -497,7 +502,8 @@ def _emit_kernel(
     per element, placed by popcounts. (One kernel with both paths behind a test at run
     time was slower on both; one tile a program took the steps 1.5 times as long as 4, but
     lanes over several tiles were slower, as were lanes laid out by words of 32.)
-    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`)."""
+    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`); ``WORDS``: a
+    lane per element laid out by the bitmask's words (:data:`EMIT_WORDS`)."""
     pid = tl.program_id(0).to(tl.int64)
     if STEPS:  # (a compile-time test: each branch alone is compiled)
         k = pid * R + tl.arange(0, R)[:, None]
@@ -546,18 +552,23 @@ def _emit_kernel(
     else:
         if kind == 3:
             _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK)
-        # each element's word (the same load for 32 lanes), its bit, and its place among the
-        # tile's changed elements by a scan: no layout of words against lanes (a lane per
-        # element placed by popcounts in a [words, 32] layout took 3 ms per 2 GiB of bf16 on
-        # an H200 whatever the fraction changed)
-        j = tl.arange(0, BLOCK)
-        delta = (kind == 1) | (kind == 3)
-        word = tl.load(bits_ptr + g * (BLOCK // 32) + (j >> 5))
-        hit = tl.where(delta, (word >> (j & 31)) & 1, 0)
-        lead = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
-        u, valid, off = _at(row, t, j, MODE, BLOCK)
-        _take(new_ptr, u, off, hit != 0, values_at + lead, index_at + lead * ix, ix,
-              tl.cumsum(hit, axis=0) - hit, T)  # fmt: skip
+        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+        if WORDS:
+            # element 32 w + k of the tile at [w, k]; every element loaded (at the fractions
+            # this path takes, most sectors hold a changed one)
+            hit = ((words[:, None] >> lane) & 1) != 0
+            j = tl.arange(0, BLOCK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+            u, valid, off = _at(row, t, j, MODE, BLOCK)
+            new = tl.load(new_ptr + off, mask=valid, other=0)
+            _put(new, u, hit, values_at, index_at, ix, place[:, None] + below)
+        else:
+            # the tile's first place (64 bits), then each element's from there (32 bits)
+            lead = tl.min(place, axis=0)
+            at_k = tl.reshape((place - lead).to(tl.int32)[:, None] + below, [BLOCK])
+            hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+            u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
+            _take(new_ptr, u, off, hit, values_at + lead, index_at + lead * ix, ix, at_k, T)
 
 
 @triton.jit
@@ -656,29 +667,26 @@ def _apply_mask_kernel(
     T: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Masked frames into their routes' regions, a tile of ``BLOCK`` elements (of a route's
     flat order) a program: the k-th set bit of a route's bitmask takes its k-th value,
-    placed by ``cum_ptr`` (the cumsum of :func:`_mask_count_kernel`'s counts) and a scan of
-    the tile's bits.
+    placed by ``cum_ptr`` (the cumsum of :func:`_mask_count_kernel`'s counts) and popcounts.
     A bit past the route's elements or past its values, and a route whose bits do not number
     its values (counted by its last tile), are faults, as for :func:`_apply_kernel`."""
     pid = tl.program_id(0).to(tl.int64)
-    e = _entry(entries_ptr, n, steps, pid)
+    e, b, words, per_word = _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK, ASM)
     t0 = tl.load(e)
-    b = pid - t0
     count = tl.load(e + 5)
-    # each element's word (the same load for 32 lanes), its bit, and its place by a scan
-    j = tl.arange(0, BLOCK)
-    w = b * (BLOCK // 32) + (j >> 5)
-    bits = (buf_ptr + tl.load(e + 3)).to(tl.pointer_type(tl.int32))
-    word = tl.load(bits + w, mask=w < (tl.load(e + 4) + 31) // 32, other=0)
-    hit = (word >> (j & 31)) & 1
-    within = tl.cumsum(hit, axis=0) - hit
-    first = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)  # the tile's first value
+    lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+    below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+    # the tile's first value (64 bits, once), then its elements' places from there (32 bits)
+    first = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)
+    within = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [BLOCK])
+    hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
     route = tl.load(e + 1)
     row = targets_ptr + route * _TF
-    hit = hit != 0
+    j = tl.arange(0, BLOCK)
     ok = hit & (j < tl.load(row + 8) - b * BLOCK) & (within < count - first)
     values = (buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + first
     vals = tl.load(values + within, mask=ok)
@@ -941,6 +949,7 @@ class WindowTable:
                         self._owner, self._routes, b, b, q, i, q, b, first, n,
                         T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
                         STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                        WORDS=EMIT_WORDS,
                         num_warps=warps, grid=(1,),
                     )  # fmt: skip
 
@@ -1029,7 +1038,8 @@ class WindowTable:
                 _emit_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
                     T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
-                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)], num_warps=warps,
+                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                    WORDS=EMIT_WORDS, num_warps=warps,
                 )  # fmt: skip
 
 
@@ -1101,7 +1111,7 @@ class TargetTable:
                 )  # fmt: skip
                 _apply_mask_kernel.warmup(
                     entries, 2, 1, self._targets, buf, entries, self._faults, T=_INT[size],
-                    CONTIGUOUS=contig, BLOCK=block, num_warps=mask_warps, grid=(1,),
+                    CONTIGUOUS=contig, BLOCK=block, ASM=True, num_warps=mask_warps, grid=(1,),
                 )  # fmt: skip
                 for aligned in (True, False) if contig else ():
                     _copy_in_kernel.warmup(
@@ -1227,5 +1237,5 @@ class TargetTable:
                 _apply_mask_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(),
                     self._targets, buf, cum[at:], self._faults, T=_INT[int(isz[a])],
-                    CONTIGUOUS=bool(contiguous[a]), BLOCK=block, num_warps=warps,
+                    CONTIGUOUS=bool(contiguous[a]), BLOCK=block, ASM=asm, num_warps=warps,
                 )  # fmt: skip
