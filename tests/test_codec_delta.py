@@ -240,11 +240,11 @@ def test_a_windows_directories_travel_as_one_message_per_reader(window):
         assert_exact(rs, got, canon)
 
 
-def _group_at_sync_2(fraction: float = 0.02):
+def _group_at_sync_2(fraction: float = 0.02, masks: bool = False):
     """A reader's group of at least 3 buckets at sync 2 (``fraction`` changed, after a dense
     sync 1): (reader codec, group, its writer codec, the group's directories and frames as
     sent); every codec has begun sync 2, nothing of it applied yet."""
-    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=1 << 30))
+    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=1 << 30, masks=masks))
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
     for version in (1, 2):
         if version == 2:
@@ -342,7 +342,7 @@ def damaged_mask_case(device: str, impl: str) -> None:
     group then gives the writer's bytes); the apply kernels write only the route's elements
     (all of the group but that route right) and the reader's check then raises naming the
     tensor (a sync whose check failed leaves the next one dense)."""
-    rc, members, w, raw, sent = _group_at_sync_2(0.3)
+    rc, members, w, raw, sent = _group_at_sync_2(0.3, masks=True)
     tensors = {k: v.to(device) for k, v in rc.tensors.items()}
     dec = DeltaDecoder(rc.ops, tensors, "r", impl=impl)
     buf = torch.zeros(members.capacity, dtype=torch.uint8, device=device)
@@ -1294,7 +1294,7 @@ def kernels_equal_torch(
     byte for byte, the shadows equal, both readers bit exact after every sync. ``host_copy``:
     compare through a copy of the shadow per window, as a GPU writer with a host shadow does."""
     rr = RandomRoutes(seed, device=device)
-    cfg = DeltaConfig(window_bytes=window, shadow=shadow)
+    cfg = DeltaConfig(window_bytes=window, shadow=shadow, masks=True)
     enc = {
         impl: DeltaEncoder(
             rr.w_ops, cfg, fill=rr.fill, views=rr.views, device=device, impl=impl, name=impl
