@@ -55,13 +55,18 @@ Bucket wire format (little-endian, no pickle), one bucket = one byte buffer::
                           below), reserved,
                           used bytes, version, base version (-1: no sparse frame), checksum
     directory  16 bytes per route, in the bucket's route order:
-                          kind (1 dense, 2 sparse), itemsize, index size (0, 4, 8),
-                          unit (bytes per sparse value: the itemsize; readers also take
-                          a multiple of it), 0, count (elements, or units)
+                          kind (1 dense, 2 sparse, 3 masked), itemsize, index size (0, 4,
+                          8; 0 for masked), unit (bytes per value: the itemsize; readers
+                          also take a multiple of it in sparse frames), 0, count (values:
+                          elements, or units)
     frames     plain (every route dense): the plan's bucket bytes, at its route offsets;
-               otherwise the dense routes' bytes, then the sparse routes' frames, each in
+               otherwise the dense routes' bytes, then the delta routes' frames, each in
                route order at a 16-byte aligned offset; a sparse frame is its unit indices
-               (count of them), padded to 16 bytes, then its unit values
+               (count of them), padded to 16 bytes, then its unit values; a masked frame
+               (:attr:`DeltaConfig.masks`) is a bitmask of the route's elements in the same
+               flat order (bit k of little-endian 32-bit word w: element 32 w + k), padded
+               to 16 bytes (:func:`mask_bytes`), then the changed elements' values in that
+               order (count of them, as many as the bits set)
 
 The header and directory have a fixed size per bucket (:func:`directory_bytes`), so a reader
 can read them first and then take exactly ``used`` bytes. Between processes a writer sends a
