@@ -183,12 +183,12 @@ class DeltaConfig:
     bytes: for bf16 from about 3% to 15/16 of its elements changed. At 50% changed a bf16
     route then takes 56% of its dense bytes, where a sparse frame would take 150% (so it
     goes dense). Off by default: the passes that write and apply masked frames cost more
-    than the bytes they save over NVLink. On two H200s (Llama-3-8B, 50% changed) syncs took
-    64 ms with masks (7.3 GB on the wire) against 49.7 ms dense (16.1 GB); per 2 GiB of
-    bf16 the writer's emit pass takes 3.1 ms and a reader's apply 3.2 ms (a device copy of
-    it: 1.0), whatever the fraction changed. Where the link is slower than the writer's
-    passes (across hosts), fewer bytes should win; not measured there yet. Writer-side only
-    (readers take either)."""
+    than the bytes they save over NVLink. On two H100s (Llama-3-8B, 50% changed, one run)
+    syncs took 65 ms with masks (7.3 GB on the wire) against 49.8-50.8 ms dense (16.1 GB);
+    per 2 GiB of bf16 on an H200 the writer's emit pass takes 3.1 ms and a reader's apply
+    3.2 ms (a device copy of it: 1.0), whatever the fraction changed. Where the link is
+    slower than those passes (across hosts), fewer bytes should win; not measured there
+    yet. Writer-side only (readers take either)."""
     checksum_every: int = 20
     """Every this many syncs the readers verify a checksum of every bucket; 0: only on request."""
     shadow: str = "device"
