@@ -109,6 +109,7 @@ regions against it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -1911,6 +1912,8 @@ class _Room:
     the group's layout (0 for those that land in place)."""
     pieces: tuple[int, ...]
     """Per piece: where it lies in the room (-1: it lands in place)."""
+    buf: torch.Tensor | None = None
+    """Its bytes of :attr:`DeltaDecoder.pieces_area` (cut once that is allocated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -2028,12 +2031,15 @@ class DeltaDecoder:
             total += at
         if total > PIECES_AREA_BYTES:
             return
-        self._rooms = rooms
         device = self._table.device if self._table is not None else None
         if device is None:
             devices = {r.device for rt in self._routes.values() for r in rt.regions}
             device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-        self.pieces_area = torch.empty(total, dtype=torch.uint8, device=device)
+        self.pieces_area = area = torch.empty(total, dtype=torch.uint8, device=device)
+        self._rooms = {
+            key: dataclasses.replace(r, buf=area[r.at : r.at + r.nbytes])
+            for key, r in rooms.items()
+        }
 
     def room(self, ops: Sequence[BucketOp], raw: bytes) -> torch.Tensor | None:
         """Where the staged pieces of a group (``ops``) land, when its directories (``raw``)
@@ -2050,7 +2056,7 @@ class DeltaDecoder:
         """The room of the group ``ops`` (:meth:`room`), whatever its directories say: for a
         group its writer announced as pieces; None where it has none."""
         hit = self._rooms.get(tuple(op.bucket for op in ops))
-        return None if hit is None else self.pieces_area[hit.at : hit.at + hit.nbytes]
+        return None if hit is None else hit.buf
 
     def announced_pieces(
         self, ops: Sequence[BucketOp], buf: torch.Tensor, *, in_room: bool
@@ -2085,10 +2091,7 @@ class DeltaDecoder:
     def _in_room(self, ops: Sequence[BucketOp], d: _Directories, buf: torch.Tensor) -> bool:
         """Whether ``buf`` is the room (:meth:`room`) of the group ``d`` describes; keeps it."""
         room = self._rooms.get(tuple(op.bucket for op in ops)) if d.flags[0] & FLAG_PIECES else None
-        if room is None:
-            return False
-        # (compared as room() cut it: an empty room's address is the slicing's)
-        if self.pieces_area[room.at : room.at + room.nbytes].data_ptr() != buf.data_ptr():
+        if room is None or room.buf is None or room.buf.data_ptr() != buf.data_ptr():
             return False
         d.room = room
         return True
