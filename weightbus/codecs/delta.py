@@ -1928,6 +1928,20 @@ class _Routes:
     offset: np.ndarray
 
 
+def _frames_of(
+    parts: Sequence[tuple[BucketOp, int]], d: _Directories, select: np.ndarray
+) -> list[tuple[int, int, int, int]]:
+    """The frames of routes ``select`` marks (per route of ``d``'s span), each (its bucket's
+    place in ``parts``, its route in the bucket, its row in the span, its byte in the
+    buffer)."""
+    out = []
+    for k, (_, at) in enumerate(parts):
+        mine = d.span.routes_of(k)
+        for i in np.flatnonzero(select[mine]).tolist():
+            out.append((k, i, mine.start + i, at + int(d.offset[mine.start + i])))
+    return out
+
+
 def _within(x: np.ndarray, starts: np.ndarray, bucket: np.ndarray) -> np.ndarray:
     """Per route, the sum of ``x`` over the routes before it in its bucket."""
     before = np.cumsum(x) - x
@@ -2374,12 +2388,13 @@ class DeltaDecoder:
         elif self._table is not None:
             self._apply(buf, d, skip, shift)
         else:
-            self._check_indices(parts, buf, d)
+            changed = self._check_indices(parts, buf, d)
             for k, (op, at) in enumerate(parts):
                 mine = span.routes_of(k)
                 self._apply_torch(
-                    op, buf, at + shift[mine], d, mine, None if skip is None else skip[mine]
-                )
+                    op, buf, at + shift[mine], d, mine, changed,
+                    None if skip is None else skip[mine],
+                )  # fmt: skip
         for k in np.flatnonzero(d.flags & FLAG_CHECKSUM).tolist():
             op = span.ops[k]
             scratch = torch.zeros(op.nbytes, dtype=torch.uint8, device=buf.device)
@@ -2395,23 +2410,21 @@ class DeltaDecoder:
 
     def _check_indices(
         self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor, d: _Directories
-    ) -> None:
+    ) -> dict[int, torch.Tensor]:
         """Raise, before anything is applied, for a sparse frame whose indices fall outside
         its route, or a masked frame whose bits do not number its values within its route
         (torch path; the apply kernels skip and count such elements instead, see
         :meth:`check`): with frames in host memory a numpy pass over their indices, ~4 bytes
         per changed element; on a GPU two reductions per frame and one wait per group, where
-        an index out of range would otherwise stop the device."""
-        self._check_masks(parts, buf, d)
-        frames = []  # (bucket's place in parts, route in the bucket, row in the span, bytes)
-        for k, (_, at) in enumerate(parts):
-            mine = d.span.routes_of(k)
-            for i in np.flatnonzero(d.sparse[mine] & (d.count[mine] > 0)).tolist():
-                j = mine.start + i
-                off = at + int(d.offset[j])
-                frames.append((k, i, j, off, off + int(d.count[j]) * int(d.ix[j])))
+        an index out of range would otherwise stop the device. Returns the masked frames'
+        changed elements (:meth:`_check_masks`)."""
+        changed = self._check_masks(parts, buf, d)
+        frames = [
+            (k, i, j, off, off + int(d.count[j]) * int(d.ix[j]))
+            for k, i, j, off in _frames_of(parts, d, d.sparse & (d.count > 0))
+        ]
         if not frames:
-            return
+            return changed
         if buf.device.type == "cpu":
             host = buf.numpy()  # the same bytes (numpy: no torch op per frame)
             ints = [host[a:b].view("<i4" if d.ix[j] == 4 else "<i8") for _, _, j, a, b in frames]
@@ -2433,31 +2446,34 @@ class DeltaDecoder:
                 "damaged in transit or the two sides disagree on the plan; nothing of this "
                 "group was applied",
             )
+        return changed
 
     def _check_masks(
         self, parts: Sequence[tuple[BucketOp, int]], buf: torch.Tensor, d: _Directories
-    ) -> None:
+    ) -> dict[int, torch.Tensor]:
         """Raise, before anything is applied, for a masked frame whose bitmask sets another
-        number of bits than its count of values, or bits past its route's elements."""
-        frames = []  # (bucket's place in parts, route in the bucket, row in the span, bytes)
-        for k, (_, at) in enumerate(parts):
-            mine = d.span.routes_of(k)
-            for i in np.flatnonzero(d.masked[mine]).tolist():
-                j = mine.start + i
-                off = at + int(d.offset[j])
-                frames.append((k, i, j, off, off + int(d.lead[j])))
+        number of bits than its count of values, or bits past its route's elements; else
+        return, per masked route (its row in the span), its changed elements' flat indices
+        (read once: :meth:`_apply_torch` scatters its values there)."""
+        frames = [
+            (k, i, j, off, off + int(d.lead[j])) for k, i, j, off in _frames_of(parts, d, d.masked)
+        ]
         if not frames:
-            return
+            return {}
         numel = [int(d.span.nbytes[j] // d.span.isz[j]) for _, _, j, _, _ in frames]
         if buf.device.type == "cpu":
             host = buf.numpy()  # the same bytes (numpy: no torch op per frame)
             bits = [np.unpackbits(host[a:b], bitorder="little") for _, _, _, a, b in frames]
             sums = np.array([(x.sum(), x[n:].sum()) for x, n in zip(bits, numel, strict=True)])
+            changed = [
+                torch.from_numpy(np.flatnonzero(x[:n])) for x, n in zip(bits, numel, strict=True)
+            ]
         else:
             on = [_unpack_mask(buf[a:b]) for _, _, _, a, b in frames]
             sums = torch.stack(
                 [torch.stack([x.sum(), x[n:].sum()]) for x, n in zip(on, numel, strict=True)]
             ).cpu().numpy()  # fmt: skip
+            changed = [x[:n].nonzero().view(-1) for x, n in zip(on, numel, strict=True)]
         want = np.array([d.count[j] for _, _, j, _, _ in frames], np.int64)
         bad = np.flatnonzero((sums[:, 0] != want) | (sums[:, 1] != 0))
         if len(bad):
@@ -2471,6 +2487,7 @@ class DeltaDecoder:
                 "the frame was damaged in transit or the two sides disagree on the plan; "
                 "nothing of this group was applied",
             )
+        return {j: x for (_, _, j, _, _), x in zip(frames, changed, strict=True)}
 
     def ahead(self, op: BucketOp) -> bool:
         """Whether the directories taken for the group bucket ``op`` starts say that the next
@@ -2558,11 +2575,13 @@ class DeltaDecoder:
         base: np.ndarray,
         d: _Directories,
         mine: slice,
+        changed: Mapping[int, torch.Tensor],
         skip: np.ndarray | None = None,
     ) -> None:
         """Bucket ``op``'s frames (its routes ``mine`` of the span), route ``i``'s at byte
         ``base[i]`` of ``buf`` plus its offset (the bucket's start, shifted in a room), but
-        the routes ``skip`` marks."""
+        the routes ``skip`` marks; ``changed``: per masked route (row in the span), its
+        changed elements (:meth:`_check_masks`)."""
         regions = self._routes[op.bucket].regions
         sparse, masked, offset, lead, count, ix, unit = (
             a[mine] for a in (d.sparse, d.masked, d.offset, d.lead, d.count, d.ix, d.unit)
@@ -2580,8 +2599,7 @@ class DeltaDecoder:
             v = off + int(lead[i])
             vals = buf[v : v + n * width].view(_INT_OF_SIZE[width])
             if masked[i]:
-                numel = c.nbytes // width
-                idx = _unpack_mask(buf[off:v])[:numel].nonzero().view(-1)
+                idx = changed[mine.start + i].to(buf.device)
             else:
                 idx = buf[off : off + n * size].view(_INT_OF_SIZE[size])
             flat, view, ratio = self._target(op, i, width)
