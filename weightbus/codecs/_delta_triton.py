@@ -804,6 +804,28 @@ def _unaligned(mode: int) -> int:
     return _UNALIGNED.get(mode, mode)
 
 
+def _launches(
+    ent: np.ndarray, tiles: np.ndarray, keys: Sequence[np.ndarray]
+) -> tuple[np.ndarray, list[tuple]]:
+    """A reader's entries (one per frame, ``tiles`` each) in launches of equal ``keys`` (per
+    entry; the last the most significant; stable within), each launch's tiles numbered from
+    0 in the entries' first column: the sorted entries, and per launch (its first entry, its
+    end, its tiles, then its keys' values)."""
+    order = np.lexsort(keys)
+    ent, tiles = ent[order], tiles[order]
+    keys = [k[order] for k in keys]
+    change = np.zeros(max(len(ent) - 1, 0), bool)
+    for k in keys:
+        change |= np.diff(k) != 0
+    bounds = [0, *(np.flatnonzero(change) + 1).tolist(), len(ent)]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        t = tiles[a:b]
+        ent[a:b, 0] = np.cumsum(t) - t
+        out.append((a, b, int(t.sum()), *(k[a].item() for k in keys)))
+    return ent, out
+
+
 def _device_context(device: torch.device):
     """Launch on ``device`` (Triton launches on the current CUDA device)."""
     if device.type == "cuda" and device.index is not None:
@@ -1149,23 +1171,14 @@ class TargetTable:
             & (nelem * isz % 16 == 0)
         )
         flag = np.where(copy, aligned, contiguous)
-        order = np.lexsort((flag, isz, ~copy))  # groups of one launch; stable within
         sub, warps = COPY_IN
         tiles = -(-nelem // np.where(copy, self.block * sub, self.block))
         ent = np.zeros((len(route), _EFH), np.int64)
         ent[:, 1:] = np.stack([route, values, index, nelem, ix, lr, ix > 0], 1)
-        ent = ent[order]
-        tiles, isz, copy, flag = tiles[order], isz[order], copy[order], flag[order]
-        cuts = np.flatnonzero((np.diff(isz) != 0) | (np.diff(copy) != 0) | (np.diff(flag) != 0))
-        bounds = [0, *(cuts + 1).tolist(), len(ent)]
-        launches = []
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            t = tiles[a:b]
-            ent[a:b, 0] = np.cumsum(t) - t
-            launches.append((a, b, int(t.sum()), int(isz[a]), bool(copy[a]), bool(flag[a])))
+        ent, launches = _launches(ent, tiles, (flag, isz, copy))
         entries = _on(ent, self.device)
         with _device_context(self.device):
-            for a, b, n, size, is_copy, f in launches:
+            for a, b, n, f, size, is_copy in launches:
                 n_ent = b - a
                 at = entries[a:] if a else entries
                 steps = max(n_ent - 1, 0).bit_length()
@@ -1205,35 +1218,29 @@ class TargetTable:
             return
         block, warps = self._masked_shape()
         tiles = -(-numel // block)
-        isz = self.itemsize[route]
-        contiguous = self.contiguous[route]
-        order = np.lexsort((contiguous, isz))  # groups of one launch; stable within
         ent = np.zeros((len(route), _EFH), np.int64)
         ent[:, 1:6] = np.stack([route, values, bits, numel, count], 1)
-        ent, tiles, isz, contiguous = ent[order], tiles[order], isz[order], contiguous[order]
-        cuts = np.flatnonzero((np.diff(isz) != 0) | (np.diff(contiguous) != 0))
-        bounds = [0, *(cuts + 1).tolist(), len(ent)]
-        # per launch: its entries, its tiles numbered from 0, and its counts from a slot of
-        # its own (a 0, then a count per tile: the cumsum's differences are its prefixes)
+        keys = (self.contiguous[route], self.itemsize[route])
+        ent, groups = _launches(ent, tiles, keys)
+        # each launch's counts from a slot of its own (a 0, then a count per tile: the
+        # cumsum's differences are its prefixes)
         launches, slot = [], 0
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            t = tiles[a:b]
-            ent[a:b, 0] = np.cumsum(t) - t
-            launches.append((a, b, int(t.sum()), slot))
-            slot += int(t.sum()) + 1
+        for a, b, n, contiguous, size in groups:
+            launches.append((a, b, n, slot, contiguous, size))
+            slot += n + 1
         entries = _on(ent, self.device)
         counts = torch.empty(slot, dtype=torch.int32, device=self.device)
         asm = not INTERPRETED
         with _device_context(self.device):
-            for a, b, n, at in launches:
+            for a, b, n, at, _, _ in launches:
                 _mask_count_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(), buf,
                     counts[at:], BLOCK=block, ASM=asm, num_warps=warps,
                 )  # fmt: skip
             cum = torch.cumsum(counts, 0)
-            for a, b, n, at in launches:
+            for a, b, n, at, contiguous, size in launches:
                 _apply_mask_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(),
-                    self._targets, buf, cum[at:], self._faults, T=_INT[int(isz[a])],
-                    CONTIGUOUS=bool(contiguous[a]), BLOCK=block, ASM=asm, num_warps=warps,
+                    self._targets, buf, cum[at:], self._faults, T=_INT[size],
+                    CONTIGUOUS=contiguous, BLOCK=block, ASM=asm, num_warps=warps,
                 )  # fmt: skip

@@ -1574,12 +1574,13 @@ class DeltaEncoder:
         (sparse where it ties with masked)."""
         m, isz = lay.numel, lay.isz
         ix = np.where(m < _WIDE, 4, 8)
-        sparse = _aligned(_aligned(counts * ix) + counts * isz)
-        masked = _aligned(mask_bytes(m) + counts * isz)
-        if not self.config.masks:
-            masked = np.full_like(masked, np.iinfo(np.int64).max)
-        kind = np.where(masked < sparse, MASKED, SPARSE)
-        ok = np.minimum(sparse, masked) < _aligned(m * isz)
+        size = _aligned(_aligned(counts * ix) + counts * isz)
+        kind = np.full(len(m), SPARSE, np.int64)
+        if self.config.masks:
+            masked = _aligned(mask_bytes(m) + counts * isz)
+            kind = np.where(masked < size, MASKED, SPARSE)
+            size = np.minimum(size, masked)
+        ok = size < _aligned(m * isz)
         f = self.config.max_changed_fraction
         if f is not None:
             ok &= counts <= f * m
