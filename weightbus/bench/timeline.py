@@ -58,6 +58,14 @@ def _events(trace: dict) -> list[dict]:
     return sorted(out, key=lambda e: float(e["ts"]))
 
 
+def _by_stream(events: Sequence[dict]) -> dict[object, list[dict]]:
+    """``events`` per stream, each stream's in their order."""
+    out: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        out[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    return out
+
+
 def _short(name: str, width: int = 48) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -76,9 +84,7 @@ def summarize(path: str | Path, *, gap_ms: float = 0.2, most: int = 40) -> str:
         return (us - t0) / 1000.0
 
     lines = [f"{Path(path).name}: {len(events)} GPU events over {ms(end):.2f} ms"]
-    streams: dict[object, list[dict]] = defaultdict(list)
-    for e in events:
-        streams[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    streams = _by_stream(events)
     lines.append("per stream: events, busy ms, first start, last end, most time in")
     for stream, evs in sorted(streams.items(), key=lambda kv: float(kv[1][0]["ts"])):
         busy = sum(float(e["dur"]) for e in evs) / 1000.0
@@ -182,9 +188,7 @@ def across(paths: Sequence[str | Path], *, most: int = 30) -> str:
         trace = json.loads(Path(path).read_text())
         events = _events(trace)
         transfers = [e for e in events if _TRANSFER in e["name"].lower()]
-        by_stream: dict[object, list[dict]] = defaultdict(list)
-        for e in transfers:
-            by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+        by_stream = _by_stream(transfers)
         data = None
         if by_stream:
             stream, evs = max(by_stream.items(), key=lambda kv: sum(float(e["dur"]) for e in kv[1]))
