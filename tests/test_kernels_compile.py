@@ -41,6 +41,7 @@ _TYPES = {
     "targets_ptr": "*i64",
     "buf_ptr": "*u8",
     "faults_ptr": "*i64",
+    "where_ptr": "*i32",
     "first": "i32",
     "n": "i32",
     "steps": "i32",
@@ -85,17 +86,18 @@ def test_the_delta_kernels_compile_for_sm90():
             r, _ = k.EMIT_STEPS if steps else k.EMIT_LANES
             _compile(
                 k._emit_kernel, T=tl.int16, MODE=mode, BLOCK=block, ASM=True, STEPS=steps, R=r,
-                TOGETHER=k.EMIT_TOGETHER[mode],
+                TOGETHER=k.EMIT_TOGETHER[mode], SUB=k.LANES,
             )  # fmt: skip
     # a reader's apply, its copies into contiguous regions, its masked apply and counts
     tiles, _ = k.APPLY_MASKED
     for contiguous in (True, False):
         _compile(k._apply_kernel, T=tl.int16, CONTIGUOUS=contiguous, BLOCK=block)
         _compile(
-            k._apply_mask_kernel, T=tl.int16, CONTIGUOUS=contiguous, BLOCK=tiles * block, ASM=True
-        )
+            k._apply_mask_kernel, T=tl.int16, CONTIGUOUS=contiguous, BLOCK=tiles * block,
+            ASM=True, SUB=k.LANES,
+        )  # fmt: skip
         _compile(
             k._copy_in_kernel, T=tl.int16, ALIGNED=contiguous, VEC=8, BLOCK=block,
             SUB=k.COPY_IN[0],
         )  # fmt: skip
-    _compile(k._mask_count_kernel, BLOCK=tiles * block, ASM=True)
+    _compile(k._mask_count_kernel, BLOCK=tiles * block, ASM=True, SUB=k.LANES)

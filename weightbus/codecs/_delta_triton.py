@@ -93,11 +93,23 @@ EMIT_STEPS = (8, 4)
 64 routes: 0.81 ms at 1% changed and 0.90 at 3% in contiguous routes, against 0.78 and 0.98
 for 4 tiles; as column halves of a [rows, 8192] tensor 1.26 and 1.53 against 1.66 and 2.10;
 8 warps, or 2 tiles, slower in all)."""
-EMIT_LANES = (1, 4)
-"""Tiles per program (one) and warps of the emit pass, a lane per element."""
-APPLY_MASKED = (4, 8)
+EMIT_LANES = (4, 4)
+"""Tiles per program and warps of the emit pass, a lane per element."""
+APPLY_MASKED = (4, 4)
 """Tiles of ``BLOCK`` elements per program of the reader's masked apply (one tile of its
 counts and its apply kernel), and warps."""
+LANES = 1024
+"""Elements that a kernel with a lane per element takes at a time, in a loop over its
+tiles (the emit pass by lanes, a dense frame's tiles, a masked frame's bits, a reader's
+masked apply): fewer registers a thread, so more programs resident to hide the chain of
+dependent reads each tile starts with (its route's row, its plan row, its place). On an
+H200, 2 GiB of bf16 in 64 contiguous routes, the emit pass at 50% changed took 1.80 ms
+(1.74 at 10%) with 4 tiles a program, against 3.09 (3.00) with a whole tile of 2048 at
+once (80 registers a thread); 512 at a time, 8 warps or 1, 2 or 8 tiles a program were
+slower. A reader's masked apply took 2.13 ms (2.04) with 4 tiles a program and 4 warps,
+against 3.14 (3.08) with all 8192 elements at once and 8 warps (142 registers, one
+program an SM); its entry read from the count pass rather than found by bisection saved
+0.3 ms of it."""
 COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
@@ -397,34 +409,37 @@ def _lowest(words, row, t, word_at, MODE: tl.constexpr, BLOCK: tl.constexpr, ASM
 
 @triton.jit
 def _emit_dense(row, t, p, new_ptr, store_ptr, T: tl.constexpr, MODE: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
-    """A tile of a dense frame: all its values."""
-    u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-    new = tl.load(new_ptr + off, mask=valid)
-    tl.store((store_ptr + tl.load(p + 1)).to(tl.pointer_type(T)) + u, new, mask=valid)
+                BLOCK: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    """A tile of a dense frame: all its values, ``SUB`` at a time."""
+    at = (store_ptr + tl.load(p + 1)).to(tl.pointer_type(T))
+    for s in range(BLOCK // SUB):
+        u, valid, off = _at(row, t, s * SUB + tl.arange(0, SUB), MODE, BLOCK)
+        tl.store(at + u, tl.load(new_ptr + off, mask=valid), mask=valid)
 
 
 @triton.jit
 def _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr, store_ptr, g,
-                    T: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                    T: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                    SUB: tl.constexpr):  # fmt: skip
     """Tile ``g`` whole if its frame is dense."""
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
     if tl.load(p) == 2:
         new_ptr = _regions(row, work_ptr, scratch_ptr, T)[0]
-        _emit_dense(row, g - tl.load(row + 3), p, new_ptr, store_ptr, T, MODE, BLOCK)
+        _emit_dense(row, g - tl.load(row + 3), p, new_ptr, store_ptr, T, MODE, BLOCK, SUB)
 
 
 @triton.jit
 def _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
-    """Tile ``g``'s bits into its route's masked frame, if the route has one: the frame's
-    bitmask is over the route's elements in flat (row-major) order, bit ``k`` of word ``w``
-    element ``32 w + k``. A tile covers consecutive flat elements (of one row, in ROWS
-    mode); where they start at a multiple of 32 (the route row's flag) its words are stored
-    whole, else its bits are ORed into the frame's words one by one (the frame starts at
-    zero, and two tiles may share a word)."""
+                   BLOCK: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    """Tile ``g``'s bits into its route's masked frame, if the route has one, ``SUB``
+    elements' at a time: the frame's bitmask is over the route's elements in flat
+    (row-major) order, bit ``k`` of word ``w`` element ``32 w + k``. A tile covers
+    consecutive flat elements (of one row, in ROWS mode); where they start at a multiple of
+    32 (the route row's flag) its words are stored whole, else its bits are ORed into the
+    frame's words one by one (the frame starts at zero, and two tiles may share a word)."""
     W: tl.constexpr = BLOCK // 32
+    V: tl.constexpr = SUB // 32
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
     if tl.load(p) == 3:
@@ -440,23 +455,26 @@ def _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE
             u0 = t * BLOCK
             n = tl.minimum(tl.load(row + 4) - u0, BLOCK)
         frame = (store_ptr + tl.load(p + 1)).to(tl.pointer_type(tl.int32))
-        w = tl.arange(0, W)
-        words = tl.load(bits_ptr + g * W + w)
-        if tl.load(row + 7) != 0:
-            tl.store(frame + u0 // 32 + w, words, mask=w * 32 < n)
-        else:
-            lane = tl.arange(0, 32)[None, :]
-            hit = tl.reshape((words[:, None] >> lane) & 1, [BLOCK]) != 0
-            u = u0 + tl.arange(0, BLOCK)
-            one = tl.full([BLOCK], 1, tl.int32) << (u % 32).to(tl.int32)
-            tl.atomic_or(frame + u // 32, one, mask=hit & (tl.arange(0, BLOCK) < n))
+        whole = tl.load(row + 7) != 0
+        for s in range(BLOCK // SUB):
+            w = s * V + tl.arange(0, V)
+            words = tl.load(bits_ptr + g * W + w)
+            if whole:
+                tl.store(frame + u0 // 32 + w, words, mask=w * 32 < n)
+            else:
+                lane = tl.arange(0, 32)[None, :]
+                hit = tl.reshape((words[:, None] >> lane) & 1, [SUB]) != 0
+                j = s * SUB + tl.arange(0, SUB)
+                u = u0 + j
+                one = tl.full([SUB], 1, tl.int32) << (u % 32).to(tl.int32)
+                tl.atomic_or(frame + u // 32, one, mask=hit & (j < n))
 
 
 @triton.jit
 def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr,
                 store_ptr, g, live, T: tl.constexpr, BLOCK: tl.constexpr,
                 ASM: tl.constexpr):  # fmt: skip
-    """What the emit kernel reads first of tiles ``g`` (one, or a column of them) that are
+    """What the emit kernel's steps read first of tiles ``g`` (a column of them) that are
     ``live``: their routes' rows, their tile indices in their routes, their plan rows and
     frame kinds, where their new values are, where a sparse or masked frame's values and a
     sparse frame's indices go and the index size (null and 0 for other kinds; 0 for a
@@ -477,9 +495,47 @@ def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
     words = words.to(tl.uint32, bitcast=True)
     per_word = _popcount(words, ASM)
     place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
-    place = place + tl.cumsum(per_word, axis=len(words.shape) - 1) - per_word
+    place = place + tl.cumsum(per_word, axis=1) - per_word
     return (row, g - tl.load(row + 3), p, kind, new_ptr, values_at.to(tl.pointer_type(T)),
             index_at, ix, words, per_word, place)  # fmt: skip
+
+
+@triton.jit
+def _emit_lanes(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr,
+                store_ptr, g, T: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                ASM: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    """Emit tile ``g`` a lane per element, ``SUB`` elements at a time: a dense frame's tile
+    whole, else its changed elements, each placed by the popcounts of its tile's words
+    before it and of its word's bits below it (and its masked frame's bits)."""
+    W: tl.constexpr = BLOCK // 32
+    V: tl.constexpr = SUB // 32
+    row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
+    p = plan_ptr + tl.load(row + 6) * 4
+    kind = tl.load(p)
+    t = g - tl.load(row + 3)
+    new_ptr = _regions(row, work_ptr, scratch_ptr, T)[0]
+    if kind == 2:
+        _emit_dense(row, t, p, new_ptr, store_ptr, T, MODE, BLOCK, SUB)
+    elif kind != 0:
+        if kind == 3:
+            _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK,
+                           SUB)  # fmt: skip
+        # (a masked frame's values: as a sparse frame's, with no indices)
+        values_at = (store_ptr + tl.load(p + 2)).to(tl.pointer_type(T))
+        index_at = store_ptr + tl.load(p + 1)
+        ix = tl.load(p + 3)
+        # the tile's first place (64 bits), then each element's from there (32 bits)
+        place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
+        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+        for s in range(BLOCK // SUB):
+            words = tl.load(bits_ptr + g * W + s * V + tl.arange(0, V)).to(tl.uint32, bitcast=True)
+            per_word = _popcount(words, ASM)
+            below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+            at_k = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [SUB])
+            hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [SUB])
+            u, valid, off = _at(row, t, s * SUB + tl.arange(0, SUB), MODE, BLOCK)
+            _take(new_ptr, u, off, hit, values_at + place, index_at + place * ix, ix, at_k, T)
+            place = place + tl.sum(per_word, axis=0)
 
 
 # tile and entry offsets vary per launch: one compiled kernel for all of them
@@ -502,73 +558,58 @@ def _emit_kernel(
     STEPS: tl.constexpr,
     R: tl.constexpr,
     TOGETHER: tl.constexpr,
+    SUB: tl.constexpr,
 ):
-    """Emit tiles: a dense frame's tile whole, else its changed elements. ``STEPS``: ``R``
-    tiles a program, one step per set bit of the word that has the most, each step taking
-    every word's lowest one (about 3 steps at 1% changed); else one tile a program, a lane
-    per element, placed by popcounts. (One kernel with both paths behind a test at run
-    time was slower on both; one tile a program took the steps 1.5 times as long as 4, but
-    lanes over several tiles were slower, as were lanes laid out by words of 32.)
+    """Emit ``R`` tiles a program: a dense frame's tile whole, else its changed elements.
+    ``STEPS``: one step per set bit of the word that has the most, each step taking every
+    word's lowest one (about 3 steps at 1% changed), all ``R`` tiles at once; else a lane
+    per element, one tile after another, ``SUB`` elements at a time (:func:`_emit_lanes`).
     ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`)."""
     pid = tl.program_id(0).to(tl.int64)
-    if STEPS:  # (a compile-time test: each branch alone is compiled)
-        k = pid * R + tl.arange(0, R)[:, None]
-        g, live = first + k, k < n
-    else:
-        tl.static_assert(R == 1, "a lane per element: one tile a program")
-        g, live = first + pid, True
+    if not STEPS:  # (a compile-time test: each branch alone is compiled)
+        for r in range(R):
+            if pid * R + r < n:
+                _emit_lanes(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
+                            plan_ptr, store_ptr, first + pid * R + r, T, MODE, BLOCK, ASM,
+                            SUB)  # fmt: skip
+        return
+    k = pid * R + tl.arange(0, R)[:, None]
+    g, live = first + k, k < n
     row, t, p, kind, new_ptr, values_at, index_at, ix, words, per_word, place = (
         _emit_start(
             tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, store_ptr,
             g, live, T, BLOCK, ASM,
         )
     )  # fmt: skip
-    if STEPS:
-        if tl.max(tl.max((kind == 2).to(tl.int32), axis=1), axis=0) > 0:
-            for r in range(R):
-                if pid * R + r < n:
-                    _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr,
-                                    store_ptr, first + pid * R + r, T, MODE, BLOCK)  # fmt: skip
-        if tl.max(tl.max((kind == 3).to(tl.int32), axis=1), axis=0) > 0:
-            for r in range(R):
-                if pid * R + r < n:
-                    _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr,
-                                   first + pid * R + r, MODE, BLOCK)  # fmt: skip
-        word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
-        # the first steps load their elements together, so that their latencies overlap
-        tl.static_assert(TOGETHER == 2 or TOGETHER == 3, "2 or 3 steps together")
-        u0, off0, hit0, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
-        u1, off1, hit1, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
-        if TOGETHER == 3:
-            u2, off2, hit2, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
-        new0 = tl.load(new_ptr + off0, mask=hit0, other=0)
-        new1 = tl.load(new_ptr + off1, mask=hit1, other=0)
-        if TOGETHER == 3:
-            new2 = tl.load(new_ptr + off2, mask=hit2, other=0)
-            _put(new2, u2, hit2, values_at, index_at, ix, place + 2)
-        _put(new0, u0, hit0, values_at, index_at, ix, place)
-        _put(new1, u1, hit1, values_at, index_at, ix, place + 1)
-        place = place + TOGETHER
-        for _ in range(tl.max(tl.max(per_word, axis=1), axis=0) - TOGETHER):
-            u, off, hit, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
-            _take(new_ptr, u, off, hit, values_at, index_at, ix, place, T)
-            place = place + 1
-    elif kind == 2:
-        _emit_dense(row, t, p, new_ptr, store_ptr, T, MODE, BLOCK)
-    else:
-        if kind == 3:
-            _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK)
-        lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-        # the tile's first place (64 bits), then each element's from there (32 bits); a
-        # layout by words ([words, 32] elements, every one loaded: no reshape) took 5.2 ms
-        # at 50% changed against 3.1 for this, and a place by a scan of each element's bit
-        # (its word loaded per lane) 3.4, for 2 GiB of bf16 in 64 routes on an H200
-        lead = tl.min(place, axis=0)
-        at_k = tl.reshape((place - lead).to(tl.int32)[:, None] + below, [BLOCK])
-        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
-        u, valid, off = _at(row, t, tl.arange(0, BLOCK), MODE, BLOCK)
-        _take(new_ptr, u, off, hit, values_at + lead, index_at + lead * ix, ix, at_k, T)
+    if tl.max(tl.max((kind == 2).to(tl.int32), axis=1), axis=0) > 0:
+        for r in range(R):
+            if pid * R + r < n:
+                _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr,
+                                store_ptr, first + pid * R + r, T, MODE, BLOCK, SUB)  # fmt: skip
+    if tl.max(tl.max((kind == 3).to(tl.int32), axis=1), axis=0) > 0:
+        for r in range(R):
+            if pid * R + r < n:
+                _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr,
+                               first + pid * R + r, MODE, BLOCK, SUB)  # fmt: skip
+    word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
+    # the first steps load their elements together, so that their latencies overlap
+    tl.static_assert(TOGETHER == 2 or TOGETHER == 3, "2 or 3 steps together")
+    u0, off0, hit0, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+    u1, off1, hit1, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+    if TOGETHER == 3:
+        u2, off2, hit2, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+    new0 = tl.load(new_ptr + off0, mask=hit0, other=0)
+    new1 = tl.load(new_ptr + off1, mask=hit1, other=0)
+    if TOGETHER == 3:
+        new2 = tl.load(new_ptr + off2, mask=hit2, other=0)
+        _put(new2, u2, hit2, values_at, index_at, ix, place + 2)
+    _put(new0, u0, hit0, values_at, index_at, ix, place)
+    _put(new1, u1, hit1, values_at, index_at, ix, place + 1)
+    place = place + TOGETHER
+    for _ in range(tl.max(tl.max(per_word, axis=1), axis=0) - TOGETHER):
+        u, off, hit, words = _lowest(words, row, t, word_at, MODE, BLOCK, ASM)
+        _take(new_ptr, u, off, hit, values_at, index_at, ix, place, T)
+        place = place + 1
 
 
 @triton.jit
@@ -629,79 +670,91 @@ def _apply_kernel(
         tl.atomic_max(faults_ptr + 1, route + 1)
 
 
-@triton.jit
-def _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    """Program ``pid``'s masked entry (its tiles: ``BLOCK`` elements each of the route's
-    flat order), its tile in the route, and that tile's words of the frame's bitmask (0 past
-    the route's) with their popcounts."""
-    W: tl.constexpr = BLOCK // 32
-    e = _entry(entries_ptr, n, steps, pid)
-    b = pid - tl.load(e)
-    w = b * W + tl.arange(0, W)
-    at = (buf_ptr + tl.load(e + 3)).to(tl.pointer_type(tl.int32))
-    words = tl.load(at + w, mask=w < (tl.load(e + 4) + 31) // 32, other=0)
-    words = words.to(tl.uint32, bitcast=True)
-    return e, b, words, _popcount(words, ASM)
-
-
 @triton.jit(do_not_specialize=["n", "steps"])
-def _mask_count_kernel(entries_ptr, n, steps, buf_ptr, counts_ptr, BLOCK: tl.constexpr,
-                       ASM: tl.constexpr):  # fmt: skip
+def _mask_count_kernel(entries_ptr, n, steps, buf_ptr, counts_ptr, where_ptr, BLOCK: tl.constexpr,
+                       ASM: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
     """Each tile's set bits of masked frames (entries as for :func:`_apply_mask_kernel`),
-    at ``counts_ptr`` from 1 (0 at 0), for a cumsum: where each tile's values start."""
+    at ``counts_ptr`` from 1 (0 at 0), for a cumsum: where each tile's values start; and
+    its entry (its index, at ``where_ptr``), which the apply kernel then need not search."""
     pid = tl.program_id(0).to(tl.int64)
-    per_word = _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK, ASM)[3]
-    tl.store(counts_ptr + pid + 1, tl.sum(per_word, axis=0))
+    e = _entry(entries_ptr, n, steps, pid)
+    index = (e.to(tl.int64) - entries_ptr.to(tl.int64)) // (8 * _EF)
+    tl.store(where_ptr + pid, index.to(tl.int32))
+    at = (buf_ptr + tl.load(e + 3)).to(tl.pointer_type(tl.int32))
+    words_in = (tl.load(e + 4) + 31) // 32
+    set_bits = pid * 0
+    for s in range(BLOCK // SUB):
+        w = (pid - tl.load(e)) * (BLOCK // 32) + s * (SUB // 32) + tl.arange(0, SUB // 32)
+        words = tl.load(at + w, mask=w < words_in, other=0).to(tl.uint32, bitcast=True)
+        set_bits += tl.sum(_popcount(words, ASM), axis=0)
+    tl.store(counts_ptr + pid + 1, set_bits)
     tl.store(counts_ptr + pid * 0, pid * 0, mask=pid == 0)
 
 
-@triton.jit(do_not_specialize=["n", "steps"])
+@triton.jit(do_not_specialize=["n"])
 def _apply_mask_kernel(
     entries_ptr,
     n,
-    steps,
     targets_ptr,
     buf_ptr,
     cum_ptr,
+    where_ptr,
     faults_ptr,
     T: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
     BLOCK: tl.constexpr,
     ASM: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     """Masked frames into their routes' regions, a tile of ``BLOCK`` elements (of a route's
-    flat order) a program: the k-th set bit of a route's bitmask takes its k-th value,
-    placed by ``cum_ptr`` (the cumsum of :func:`_mask_count_kernel`'s counts) and popcounts.
-    A bit past the route's elements or past its values, and a route whose bits do not number
-    its values (counted by its last tile), are faults, as for :func:`_apply_kernel`."""
+    flat order) a program, ``SUB`` at a time: the k-th set bit of a route's bitmask takes
+    its k-th value, placed by ``cum_ptr`` (the cumsum of :func:`_mask_count_kernel`'s
+    counts) and popcounts; its entry is the one at ``where_ptr`` (that kernel's too). A bit
+    past the route's elements or past its values, and a route whose bits do not number its
+    values (counted by its last tile), are faults, as for :func:`_apply_kernel`."""
+    V: tl.constexpr = SUB // 32
     pid = tl.program_id(0).to(tl.int64)
-    e, b, words, per_word = _mask_words(entries_ptr, n, steps, buf_ptr, pid, BLOCK, ASM)
+    e = entries_ptr + tl.load(where_ptr + pid).to(tl.int64) * _EF
     t0 = tl.load(e)
-    count = tl.load(e + 5)
-    lane = tl.arange(0, 32)[None, :].to(tl.uint32)
-    below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
-    # the tile's first value (64 bits, once), then its elements' places from there (32 bits)
-    first = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)
-    within = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [BLOCK])
-    hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [BLOCK])
+    b = pid - t0
+    nelem = tl.load(e + 4)
+    words_in = (nelem + 31) // 32
+    bits = (buf_ptr + tl.load(e + 3)).to(tl.pointer_type(tl.int32))
     route = tl.load(e + 1)
     row = targets_ptr + route * _TF
-    j = tl.arange(0, BLOCK)
-    ok = hit & (j < tl.load(row + 8) - b * BLOCK) & (within < count - first)
-    values = (buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + first
-    vals = tl.load(values + within, mask=ok)
+    numel = tl.load(row + 8)
     to = tl.load(row).to(tl.pointer_type(T))
-    if CONTIGUOUS:
-        tl.store(to + b * BLOCK + j, vals, mask=ok)
-    else:
-        tl.store(to + _flat(row + 1, b * BLOCK + j), vals, mask=ok)
-    outside = tl.sum((hit & (ok == 0)).to(tl.int64), axis=0)
-    tiles = (tl.load(e + 4) + BLOCK - 1) // BLOCK
+    # the tile's first value (64 bits, once), then its elements' places from there (32 bits)
+    first = tl.load(cum_ptr + pid) - tl.load(cum_ptr + t0)
+    values = (buf_ptr + tl.load(e + 2)).to(tl.pointer_type(T)) + first
+    left = tl.load(e + 5) - first
+    lane = tl.arange(0, 32)[None, :].to(tl.uint32)
+    outside = tl.zeros([SUB], tl.int32)
+    for s in range(BLOCK // SUB):
+        w = b * (BLOCK // 32) + s * V + tl.arange(0, V)
+        words = tl.load(bits + w, mask=w < words_in, other=0).to(tl.uint32, bitcast=True)
+        per_word = _popcount(words, ASM)
+        below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
+        within = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [SUB])
+        hit = tl.reshape(((words[:, None] >> lane) & 1) != 0, [SUB])
+        j = b * BLOCK + s * SUB + tl.arange(0, SUB)
+        ok = hit & (j < numel) & (within < left)
+        vals = tl.load(values + within, mask=ok)
+        if CONTIGUOUS:
+            tl.store(to + j, vals, mask=ok)
+        else:
+            tl.store(to + _flat(row + 1, j), vals, mask=ok)
+        outside += (hit & (ok == 0)).to(tl.int32)
+        step = tl.sum(per_word, axis=0)
+        values += step
+        left -= step
+    bad = tl.sum(outside, axis=0).to(tl.int64)
+    tiles = (nelem + BLOCK - 1) // BLOCK
     if b == tiles - 1:  # the route's last tile: do its bits number its values?
         total = tl.load(cum_ptr + t0 + tiles) - tl.load(cum_ptr + t0)
-        outside += tl.abs(total - count)
-    if outside > 0:  # faults: elements refused, and the last route that had one (+1)
-        tl.atomic_add(faults_ptr, outside)
+        bad += tl.abs(total - tl.load(e + 5))
+    if bad > 0:  # faults: elements refused, and the last route that had one (+1)
+        tl.atomic_add(faults_ptr, bad)
         tl.atomic_max(faults_ptr + 1, route + 1)
 
 
@@ -971,7 +1024,7 @@ class WindowTable:
                         self._owner, self._routes, b, b, q, i, q, b, first, n,
                         T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
                         STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
-                        num_warps=warps, grid=(1,),
+                        SUB=min(LANES, self.block), num_warps=warps, grid=(1,),
                     )  # fmt: skip
 
     def compare(
@@ -1059,7 +1112,8 @@ class WindowTable:
                 _emit_kernel[(-(-n // r),)](
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
                     T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
-                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)], num_warps=warps,
+                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                    SUB=min(LANES, self.block), num_warps=warps,
                 )  # fmt: skip
 
 
@@ -1120,9 +1174,10 @@ class TargetTable:
         counts = torch.empty(1, dtype=torch.int32, device=self.device)
         with _device_context(self.device):
             block, mask_warps = self._masked_shape()
+            sub_masked = min(LANES, block)
             _mask_count_kernel.warmup(
-                entries, 2, 1, buf, counts, BLOCK=block, ASM=True, num_warps=mask_warps,
-                grid=(1,),
+                entries, 2, 1, buf, counts, counts, BLOCK=block, ASM=True, SUB=sub_masked,
+                num_warps=mask_warps, grid=(1,),
             )  # fmt: skip
             for size, contig in kinds:
                 _apply_kernel.warmup(
@@ -1130,8 +1185,9 @@ class TargetTable:
                     CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,),
                 )  # fmt: skip
                 _apply_mask_kernel.warmup(
-                    entries, 2, 1, self._targets, buf, entries, self._faults, T=_INT[size],
-                    CONTIGUOUS=contig, BLOCK=block, ASM=True, num_warps=mask_warps, grid=(1,),
+                    entries, 2, self._targets, buf, entries, counts, self._faults, T=_INT[size],
+                    CONTIGUOUS=contig, BLOCK=block, ASM=True, SUB=sub_masked,
+                    num_warps=mask_warps, grid=(1,),
                 )  # fmt: skip
                 for aligned in (True, False) if contig else ():
                     _copy_in_kernel.warmup(
@@ -1230,17 +1286,19 @@ class TargetTable:
             slot += n + 1
         entries = _on(ent, self.device)
         counts = torch.empty(slot, dtype=torch.int32, device=self.device)
+        where = torch.empty(slot, dtype=torch.int32, device=self.device)
         asm = not INTERPRETED
+        sub = min(LANES, block)
         with _device_context(self.device):
             for a, b, n, at, _, _ in launches:
                 _mask_count_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(), buf,
-                    counts[at:], BLOCK=block, ASM=asm, num_warps=warps,
+                    counts[at:], where[at:], BLOCK=block, ASM=asm, SUB=sub, num_warps=warps,
                 )  # fmt: skip
             cum = torch.cumsum(counts, 0)
             for a, b, n, at, contiguous, size in launches:
                 _apply_mask_kernel[(n,)](
-                    entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(),
-                    self._targets, buf, cum[at:], self._faults, T=_INT[size],
-                    CONTIGUOUS=contiguous, BLOCK=block, ASM=asm, num_warps=warps,
+                    entries[a:] if a else entries, b - a, self._targets, buf, cum[at:],
+                    where[at:], self._faults, T=_INT[size], CONTIGUOUS=contiguous, BLOCK=block,
+                    ASM=asm, SUB=sub, num_warps=warps,
                 )  # fmt: skip
