@@ -430,32 +430,36 @@ def _emit_one_dense(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, plan_ptr, stor
 
 
 @triton.jit
+def _tile_span(row, t, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``t`` of the route at ``row``: its first element's flat index in the route, and
+    how many elements it holds (a tile of ROWS lies in one row)."""
+    if MODE == 1:
+        tpr = tl.load(row + 5)
+        ncols = tl.load(row + 8)
+        rr = t // tpr
+        c0 = (t - rr * tpr) * BLOCK
+        return rr * ncols + c0, tl.minimum(ncols - c0, BLOCK)
+    return t * BLOCK, tl.minimum(tl.load(row + 4) - t * BLOCK, BLOCK)
+
+
+@triton.jit
 def _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE: tl.constexpr,
-                   BLOCK: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, SUB: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """Tile ``g``'s bits into its route's masked frame, if the route has one, ``SUB``
     elements' at a time: the frame's bitmask is over the route's elements in flat
     (row-major) order, bit ``k`` of word ``w`` element ``32 w + k``. A tile covers
     consecutive flat elements (of one row, in ROWS mode); where they start at a multiple of
     32 (the route row's flag) its words are stored whole, else its bits are ORed into the
-    frame's words one by one (the frame starts at zero, and two tiles may share a word)."""
+    frame's words one by one (the frame starts at zero, and two tiles may share a word).
+    ``WHOLE`` False: only the latter (the lanes store whole words themselves)."""
     W: tl.constexpr = BLOCK // 32
     V: tl.constexpr = SUB // 32
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
-    if tl.load(p) == 3:
-        t = g - tl.load(row + 3)
-        if MODE == 1:
-            tpr = tl.load(row + 5)
-            ncols = tl.load(row + 8)
-            rr = t // tpr
-            c0 = (t - rr * tpr) * BLOCK
-            u0 = rr * ncols + c0
-            n = tl.minimum(ncols - c0, BLOCK)
-        else:
-            u0 = t * BLOCK
-            n = tl.minimum(tl.load(row + 4) - u0, BLOCK)
+    whole = tl.load(row + 7) != 0
+    if tl.load(p) == 3 and (WHOLE or not whole):
+        u0, n = _tile_span(row, g - tl.load(row + 3), MODE, BLOCK)
         frame = (store_ptr + tl.load(p + 1)).to(tl.pointer_type(tl.int32))
-        whole = tl.load(row + 7) != 0
         for s in range(BLOCK // SUB):
             w = s * V + tl.arange(0, V)
             words = tl.load(bits_ptr + g * W + w)
@@ -517,18 +521,25 @@ def _emit_lanes(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
     if kind == 2:
         _emit_dense(row, t, p, new_ptr, store_ptr, T, MODE, BLOCK, SUB)
     elif kind != 0:
-        if kind == 3:
-            _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK,
-                           SUB)  # fmt: skip
+        # a masked frame's bits: its words, stored below, or ORed in bit by bit here
+        _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK,
+                       SUB, False)  # fmt: skip
+        u0, n = _tile_span(row, t, MODE, BLOCK)
+        words_to = tl.where((kind == 3) & (tl.load(row + 7) != 0), u0 // 32, -1)
         # (a masked frame's values: as a sparse frame's, with no indices)
         values_at = (store_ptr + tl.load(p + 2)).to(tl.pointer_type(T))
         index_at = store_ptr + tl.load(p + 1)
+        frame = index_at.to(tl.pointer_type(tl.int32)) + words_to
         ix = tl.load(p + 3)
         # the tile's first place (64 bits), then each element's from there (32 bits)
         place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
         lane = tl.arange(0, 32)[None, :].to(tl.uint32)
         for s in range(BLOCK // SUB):
-            words = tl.load(bits_ptr + g * W + s * V + tl.arange(0, V)).to(tl.uint32, bitcast=True)
+            w = s * V + tl.arange(0, V)
+            words = tl.load(bits_ptr + g * W + w)
+            # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
+            tl.store(frame + w, words, mask=tl.where(words_to >= 0, w * 32 < n, False))
+            words = words.to(tl.uint32, bitcast=True)
             per_word = _popcount(words, ASM)
             below = _popcount(words[:, None] & ((tl.full([1, 32], 1, tl.uint32) << lane) - 1), ASM)
             at_k = tl.reshape((tl.cumsum(per_word, axis=0) - per_word)[:, None] + below, [SUB])
@@ -590,7 +601,7 @@ def _emit_kernel(
         for r in range(R):
             if pid * R + r < n:
                 _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr,
-                               first + pid * R + r, MODE, BLOCK, SUB)  # fmt: skip
+                               first + pid * R + r, MODE, BLOCK, SUB, True)  # fmt: skip
     word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
     # the first steps load their elements together, so that their latencies overlap
     tl.static_assert(TOGETHER == 2 or TOGETHER == 3, "2 or 3 steps together")
