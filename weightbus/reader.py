@@ -110,6 +110,7 @@ class Reader(_Session):
         self._verifier: Verifier | None = None
         self._live_ptrs_at_connect: dict[str, int] = {}
         self._commit_keys: list[str] = []
+        self._reads: torch.cuda.Stream | None = None  # directories' copies to the host
 
     def _holds_ahead(self) -> bool:
         """FP8: a reader that receives into the engine's tensors (in place) holds the buckets
@@ -637,9 +638,22 @@ class Reader(_Session):
             self.transport.wait([head], deadline.left())
         t = _phase(phases, "transfer", t)
         with mark("read_directories"):
-            raw = self._directory_at[first.bucket].cpu().numpy().tobytes()
+            raw = self._host_bytes(self._directory_at[first.bucket])
         _phase(phases, "unpack", t)
         return raw
+
+    def _host_bytes(self, x: torch.Tensor) -> bytes:
+        """The bytes of ``x``, a group's directories that arrived (their receive is done), on
+        the host. A device's are copied on a stream of their own: the current stream holds
+        the apply launches of the groups before, and a copy queued behind them kept the host
+        from posting this group's receives until they ran, so the link sat idle meanwhile
+        (on two GPUs at 50% changed with masked frames, 9 of 51 ms in these copies)."""
+        if x.device.type != "cuda":
+            return x.numpy().tobytes()
+        if self._reads is None:
+            self._reads = torch.cuda.Stream(x.device)
+        with torch.cuda.stream(self._reads):
+            return x.cpu().numpy().tobytes()
 
     def _post_group(
         self, group: _Group, raw: bytes, heads: dict[int, Handle], phases: dict[str, float]
