@@ -95,7 +95,7 @@ for 4 tiles; as column halves of a [rows, 8192] tensor 1.26 and 1.53 against 1.6
 8 warps, or 2 tiles, slower in all)."""
 EMIT_LANES = (4, 4)
 """Tiles per program and warps of the emit pass, a lane per element."""
-APPLY_MASKED = (4, 4)
+APPLY_MASKED = (8, 4)
 """Tiles of ``BLOCK`` elements per program of the reader's masked apply (one tile of its
 counts and its apply kernel), and warps."""
 LANES = 1024
