@@ -47,12 +47,15 @@ the sync for; so are a masked frame's bits past its route's elements or past its
 a route whose bits do not number its values.
 
 Masked frames cost per element whatever the fraction changed: on an H200, per 2 GiB of bf16
-in 64 contiguous routes, the emit pass by lanes took 3.1 ms at 50% changed and 3.0 at 10%,
-a reader's masked apply 3.0-3.2 ms (a device copy of the same bytes: 1.0). Other layouts of
-the lanes were slower: by the bitmask's words ([words, 32], every element loaded) 5.2 ms at
-50%; each element's place by a scan of its bit (its word loaded per lane) 3.4, and the apply
-so 4.0-7.0 ms. Programs of 1 to 8 tiles of the apply: 3.2-4.1 ms, 4 tiles and 8 warps the
-fastest.
+in 64 contiguous routes, the emit pass by lanes takes 2.0 ms at 50% changed and 1.9 at 10%,
+a reader's masked apply 2.1-2.2 ms (2.0 at 10%), against 1.0 for a device copy of the same
+bytes (see :data:`LANES`: both took 3.1 ms before they looped over their tiles). Other layouts were
+slower: the lanes laid out by the bitmask's words ([words, 32], every element loaded) 5.2 ms
+at 50%; the same over ALIGNED routes with 16-byte loads 2.6-3.7 ms at 50% and 2.1-2.6 at
+10% (the stores, an element each, stay scattered); each element's place by a scan of its
+bit (its word loaded per lane) 3.4, and the apply so 4.0-7.0 ms. Each word's place in its
+tile handed to the emit pass (no scan in it) saved 0.1 ms of the lean kernel's 1.8, and
+nothing of the apply's.
 """
 
 from __future__ import annotations
@@ -97,19 +100,20 @@ EMIT_LANES = (4, 4)
 """Tiles per program and warps of the emit pass, a lane per element."""
 APPLY_MASKED = (8, 4)
 """Tiles of ``BLOCK`` elements per program of the reader's masked apply (one tile of its
-counts and its apply kernel), and warps."""
+counts and its apply kernel), and warps (:data:`LANES`)."""
 LANES = 1024
 """Elements that a kernel with a lane per element takes at a time, in a loop over its
 tiles (the emit pass by lanes, a dense frame's tiles, a masked frame's bits, a reader's
 masked apply): fewer registers a thread, so more programs resident to hide the chain of
 dependent reads each tile starts with (its route's row, its plan row, its place). On an
-H200, 2 GiB of bf16 in 64 contiguous routes, the emit pass at 50% changed took 1.80 ms
-(1.74 at 10%) with 4 tiles a program, against 3.09 (3.00) with a whole tile of 2048 at
-once (80 registers a thread); 512 at a time, 8 warps or 1, 2 or 8 tiles a program were
-slower. A reader's masked apply took 2.13 ms (2.04) with 4 tiles a program and 4 warps,
-against 3.14 (3.08) with all 8192 elements at once and 8 warps (142 registers, one
+H200, 2 GiB of bf16 in 64 contiguous routes: the emit pass takes 2.00 ms at 50% changed
+(1.93 at 10%) with 4 tiles a program and 4 warps, against 3.08 (3.00) with one whole tile
+of 2048 a program (80 registers a thread); 2 or 8 tiles a program, or a cap of 40 to 56
+registers, within 0.1 ms; 8 warps 2.6-2.7 ms. A reader's masked apply takes 2.14 ms
+(2.02) with 8 tiles a program and 4 warps (:data:`APPLY_MASKED`), 2.25 (2.13) with 4,
+against 3.14 (3.08) with 4 tiles of 8192 elements at once and 8 warps (142 registers: one
 program an SM); its entry read from the count pass rather than found by bisection saved
-0.3 ms of it."""
+about 0.3 ms of it."""
 COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
