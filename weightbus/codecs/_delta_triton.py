@@ -49,13 +49,13 @@ a route whose bits do not number its values.
 Masked frames cost per element whatever the fraction changed: on an H200, per 2 GiB of bf16
 in 64 contiguous routes, the emit pass by lanes takes 2.0 ms at 50% changed and 1.9 at 10%,
 a reader's masked apply 2.1-2.2 ms (2.0 at 10%), against 1.0 for a device copy of the same
-bytes (see :data:`LANES`: both took 3.1 ms before they looped over their tiles). Other layouts were
-slower: the lanes laid out by the bitmask's words ([words, 32], every element loaded) 5.2 ms
-at 50%; the same over ALIGNED routes with 16-byte loads 2.6-3.7 ms at 50% and 2.1-2.6 at
-10% (the stores, an element each, stay scattered); each element's place by a scan of its
-bit (its word loaded per lane) 3.4, and the apply so 4.0-7.0 ms. Each word's place in its
-tile handed to the emit pass (no scan in it) saved 0.1 ms of the lean kernel's 1.8, and
-nothing of the apply's.
+bytes (see :data:`LANES`: both took 3.1 ms before they looped over their tiles). Other
+layouts were slower: the lanes laid out by the bitmask's words ([words, 32], every element
+loaded) 5.2 ms at 50%; the same over ALIGNED routes with 16-byte loads 2.6-3.7 ms at 50% and
+2.1-2.6 at 10% (the stores, an element each, stay scattered); each element's place by a
+scan of its bit (its word loaded per lane) 3.4, and the apply so 4.0-7.0 ms. Each word's
+place in its tile handed to the kernels (no scan in them) saved 0.1 ms of 1.8 in a
+pared-down copy of the emit pass, and nothing of the apply's.
 """
 
 from __future__ import annotations
@@ -686,8 +686,8 @@ def _apply_kernel(
 
 
 @triton.jit(do_not_specialize=["n", "steps"])
-def _mask_count_kernel(entries_ptr, n, steps, buf_ptr, counts_ptr, where_ptr, BLOCK: tl.constexpr,
-                       ASM: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+def _mask_count_kernel(entries_ptr, n, steps, buf_ptr, counts_ptr, where_ptr,
+                       BLOCK: tl.constexpr, ASM: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
     """Each tile's set bits of masked frames (entries as for :func:`_apply_mask_kernel`),
     at ``counts_ptr`` from 1 (0 at 0), for a cumsum: where each tile's values start; and
     its entry (its index, at ``where_ptr``), which the apply kernel then need not search."""
@@ -697,19 +697,19 @@ def _mask_count_kernel(entries_ptr, n, steps, buf_ptr, counts_ptr, where_ptr, BL
     tl.store(where_ptr + pid, index.to(tl.int32))
     at = (buf_ptr + tl.load(e + 3)).to(tl.pointer_type(tl.int32))
     words_in = (tl.load(e + 4) + 31) // 32
+    first_word = (pid - tl.load(e)) * (BLOCK // 32)
     set_bits = pid * 0
     for s in range(BLOCK // SUB):
-        w = (pid - tl.load(e)) * (BLOCK // 32) + s * (SUB // 32) + tl.arange(0, SUB // 32)
+        w = first_word + s * (SUB // 32) + tl.arange(0, SUB // 32)
         words = tl.load(at + w, mask=w < words_in, other=0).to(tl.uint32, bitcast=True)
         set_bits += tl.sum(_popcount(words, ASM), axis=0)
     tl.store(counts_ptr + pid + 1, set_bits)
     tl.store(counts_ptr + pid * 0, pid * 0, mask=pid == 0)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit
 def _apply_mask_kernel(
     entries_ptr,
-    n,
     targets_ptr,
     buf_ptr,
     cum_ptr,
@@ -1200,7 +1200,7 @@ class TargetTable:
                     CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,),
                 )  # fmt: skip
                 _apply_mask_kernel.warmup(
-                    entries, 2, self._targets, buf, entries, counts, self._faults, T=_INT[size],
+                    entries, self._targets, buf, entries, counts, self._faults, T=_INT[size],
                     CONTIGUOUS=contig, BLOCK=block, ASM=True, SUB=sub_masked,
                     num_warps=mask_warps, grid=(1,),
                 )  # fmt: skip
@@ -1311,9 +1311,9 @@ class TargetTable:
                     counts[at:], where[at:], BLOCK=block, ASM=asm, SUB=sub, num_warps=warps,
                 )  # fmt: skip
             cum = torch.cumsum(counts, 0)
-            for a, b, n, at, contiguous, size in launches:
+            for a, _, n, at, contiguous, size in launches:
                 _apply_mask_kernel[(n,)](
-                    entries[a:] if a else entries, b - a, self._targets, buf, cum[at:],
-                    where[at:], self._faults, T=_INT[size], CONTIGUOUS=contiguous, BLOCK=block,
+                    entries[a:] if a else entries, self._targets, buf, cum[at:], where[at:],
+                    self._faults, T=_INT[size], CONTIGUOUS=contiguous, BLOCK=block,
                     ASM=asm, SUB=sub, num_warps=warps,
                 )  # fmt: skip
