@@ -1359,16 +1359,28 @@ def kernels_equal_torch(
 
 @interpreted
 @pytest.mark.parametrize(
-    "seed,window,host_copy,wide,tiles",
-    [(0, 1500, False, False, None), (1, 4000, True, True, None), (2, 2500, False, False, 4)],
+    "seed,window,host_copy,wide,tiles,lanes",
+    [
+        (0, 1500, False, False, None, None),
+        (1, 4000, True, True, None, None),
+        (2, 2500, False, False, 4, None),
+        (3, 2500, False, False, None, 32),
+    ],
 )
-def test_interp_kernels_equal_the_torch_path(seed, window, host_copy, wide, tiles, monkeypatch):
+def test_interp_kernels_equal_the_torch_path(
+    seed, window, host_copy, wide, tiles, lanes, monkeypatch
+):
     """``tiles``: programs of that many tiles (compare, and emit by steps), every window
-    emitted by steps (also at 50% changed, and its dense frames' tiles)."""
+    emitted by steps (also at 50% changed, and its dense frames' tiles). ``lanes``: the
+    kernels with a lane per element take that many elements at a time (:data:`LANES`), so
+    that their loops over a tile (4 steps) and over a masked apply's program (32) carry
+    places and values from step to step."""
     from weightbus.codecs import _delta_triton, delta
 
     # small tiles: routes of many tiles, rows split in tiles, all three addressing modes
     monkeypatch.setattr(_delta_triton, "BLOCK", 128)
+    if lanes:
+        monkeypatch.setattr(_delta_triton, "LANES", lanes)
     if wide:  # 8-byte indices from 300 elements up, as for routes of 2**31 elements or more
         monkeypatch.setattr(delta, "_WIDE", 300)
     if tiles:  # (a launch's last program may hold fewer)
