@@ -18,7 +18,7 @@ Writer, per window (:class:`WindowTable`):
 2. a cumsum over the tiles' counts and one small device-to-host copy: each route's count;
 3. emit, after the host chose each route's frame (a plan row per route): the changed elements'
    indices and values into the route's sparse frame, their bits and values into its masked
-   frame (:func:`_emit_one_mask`), or all its values into a dense frame.
+   frame (:func:`_mask_bits`), or all its values into a dense frame.
    Outside dense frames it visits the changed elements only, by the bitmask's words: one step
    per set bit of the word that has the most, each step taking every word's lowest one. A
    program then takes several tiles at once: each tile's work is a chain of dependent reads
@@ -448,34 +448,41 @@ def _tile_span(row, t, MODE: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE: tl.constexpr,
-                   BLOCK: tl.constexpr, SUB: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
-    """Tile ``g``'s bits into its route's masked frame, if the route has one, ``SUB``
-    elements' at a time: the frame's bitmask is over the route's elements in flat
-    (row-major) order, bit ``k`` of word ``w`` element ``32 w + k``. A tile covers
-    consecutive flat elements (of one row, in ROWS mode); where they start at a multiple of
-    32 (the route row's flag) its words are stored whole, else its bits are ORed into the
-    frame's words one by one (the frame starts at zero, and two tiles may share a word).
-    ``WHOLE`` False: only the latter (the lanes store whole words themselves)."""
-    W: tl.constexpr = BLOCK // 32
-    V: tl.constexpr = SUB // 32
+                   BLOCK: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    """Tile ``g``'s bits into its route's masked frame, if the route has one
+    (:func:`_mask_bits`)."""
     row = routes_ptr + tl.load(tiles_ptr + g).to(tl.int64) * _RF
     p = plan_ptr + tl.load(row + 6) * 4
+    if tl.load(p) == 3:
+        _mask_bits(row, p, g, bits_ptr, store_ptr, MODE, BLOCK, SUB)
+
+
+@triton.jit
+def _mask_bits(row, p, g, bits_ptr, store_ptr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+               SUB: tl.constexpr):  # fmt: skip
+    """Tile ``g``'s bits (of the route at ``row``, plan row ``p``, a masked frame) into the
+    frame, ``SUB`` elements' at a time: the frame's bitmask is over the route's elements in
+    flat (row-major) order, bit ``k`` of word ``w`` element ``32 w + k``. A tile covers
+    consecutive flat elements (of one row, in ROWS mode); where they start at a multiple of
+    32 (the route row's flag) its words are stored whole, else its bits are ORed into the
+    frame's words one by one (the frame starts at zero, and two tiles may share a word)."""
+    W: tl.constexpr = BLOCK // 32
+    V: tl.constexpr = SUB // 32
+    u0, n = _tile_span(row, g - tl.load(row + 3), MODE, BLOCK)
+    frame = (store_ptr + tl.load(p + 1)).to(tl.pointer_type(tl.int32))
     whole = tl.load(row + 7) != 0
-    if tl.load(p) == 3 and (WHOLE or not whole):
-        u0, n = _tile_span(row, g - tl.load(row + 3), MODE, BLOCK)
-        frame = (store_ptr + tl.load(p + 1)).to(tl.pointer_type(tl.int32))
-        for s in range(BLOCK // SUB):
-            w = s * V + tl.arange(0, V)
-            words = tl.load(bits_ptr + g * W + w)
-            if whole:
-                tl.store(frame + u0 // 32 + w, words, mask=w * 32 < n)
-            else:
-                lane = tl.arange(0, 32)[None, :]
-                hit = tl.reshape((words[:, None] >> lane) & 1, [SUB]) != 0
-                j = s * SUB + tl.arange(0, SUB)
-                u = u0 + j
-                one = tl.full([SUB], 1, tl.int32) << (u % 32).to(tl.int32)
-                tl.atomic_or(frame + u // 32, one, mask=hit & (j < n))
+    for s in range(BLOCK // SUB):
+        w = s * V + tl.arange(0, V)
+        words = tl.load(bits_ptr + g * W + w)
+        if whole:
+            tl.store(frame + u0 // 32 + w, words, mask=w * 32 < n)
+        else:
+            lane = tl.arange(0, 32)[None, :]
+            hit = tl.reshape((words[:, None] >> lane) & 1, [SUB]) != 0
+            j = s * SUB + tl.arange(0, SUB)
+            u = u0 + j
+            one = tl.full([SUB], 1, tl.int32) << (u % 32).to(tl.int32)
+            tl.atomic_or(frame + u // 32, one, mask=hit & (j < n))
 
 
 @triton.jit
@@ -526,10 +533,11 @@ def _emit_lanes(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
         _emit_dense(row, t, p, new_ptr, store_ptr, T, MODE, BLOCK, SUB)
     elif kind != 0:
         # a masked frame's bits: its words, stored below, or ORed in bit by bit here
-        _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr, g, MODE, BLOCK,
-                       SUB, False)  # fmt: skip
+        whole = tl.load(row + 7) != 0
+        if kind == 3 and not whole:
+            _mask_bits(row, p, g, bits_ptr, store_ptr, MODE, BLOCK, SUB)
         u0, n = _tile_span(row, t, MODE, BLOCK)
-        words_to = tl.where((kind == 3) & (tl.load(row + 7) != 0), u0 // 32, -1)
+        words_to = tl.where((kind == 3) & whole, u0 // 32, -1)
         # (a masked frame's values: as a sparse frame's, with no indices)
         values_at = (store_ptr + tl.load(p + 2)).to(tl.pointer_type(T))
         index_at = store_ptr + tl.load(p + 1)
@@ -605,7 +613,7 @@ def _emit_kernel(
         for r in range(R):
             if pid * R + r < n:
                 _emit_one_mask(tiles_ptr, routes_ptr, bits_ptr, plan_ptr, store_ptr,
-                               first + pid * R + r, MODE, BLOCK, SUB, True)  # fmt: skip
+                               first + pid * R + r, MODE, BLOCK, SUB)  # fmt: skip
     word_at = tl.arange(0, BLOCK // 32)[None, :] * 32
     # the first steps load their elements together, so that their latencies overlap
     tl.static_assert(TOGETHER == 2 or TOGETHER == 3, "2 or 3 steps together")

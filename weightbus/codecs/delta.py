@@ -786,6 +786,8 @@ class _Layout:
     isz: np.ndarray
     numel: np.ndarray
     nbytes: np.ndarray
+    mask_bytes: np.ndarray
+    """Per route: the bytes of its masked frame's bitmask (:func:`mask_bytes`)."""
     meta_at: np.ndarray
     """Per bucket: where its header and directory start among the window's."""
     records: np.ndarray
@@ -1403,6 +1405,7 @@ class DeltaEncoder:
             isz=isz,
             numel=numel,
             nbytes=isz * numel,
+            mask_bytes=mask_bytes(numel),
             meta_at=meta_at,
             records=(first + _ENT.size * within) // _ENT.size,
             offset=np.array([c.offset for bk in bks for c in bk.op.copies], np.int64),
@@ -1578,7 +1581,7 @@ class DeltaEncoder:
         size = _aligned(_aligned(counts * ix) + counts * isz)
         kind = np.full(len(m), SPARSE, np.int64)
         if self.config.masks:
-            masked = _aligned(mask_bytes(m) + counts * isz)
+            masked = _aligned(lay.mask_bytes + counts * isz)
             kind = np.where(masked < size, MASKED, SPARSE)
             size = np.minimum(size, masked)
         ok = size < _aligned(m * isz)
@@ -1597,7 +1600,7 @@ class DeltaEncoder:
         delta = sparse | masked
         ix = np.where(sparse, np.where(lay.numel < _WIDE, 4, 8), 0)
         # a delta frame: its indices or its bitmask, then its values
-        index_bytes = np.where(masked, mask_bytes(lay.numel), _aligned(counts * ix))
+        index_bytes = np.where(masked, lay.mask_bytes, _aligned(counts * ix))
         size = np.where(delta, index_bytes + counts * lay.isz, lay.nbytes)
         framed = np.bincount(lay.bucket, weights=delta, minlength=nb) > 0
         in_frames = framed[lay.bucket]
