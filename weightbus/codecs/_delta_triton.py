@@ -1064,7 +1064,7 @@ class WindowTable:
         returning None (with ``count``, the state for :meth:`counts` alone); else return
         the pass's state for :meth:`counts` and :meth:`emit`."""
         if not self.tiles:
-            return None if update and not count else (None, None)
+            return None if update and not count else (None, None, None)
         scratch = work if scratch is None else scratch
         counts = bits = work
         if count or not update:
@@ -1076,9 +1076,30 @@ class WindowTable:
         self._launch_compare(
             self.groups, work, scratch, counts, bits, update, count or not update, False, stream
         )
-        if update:
-            return (counts, None) if count else None
-        return counts, bits
+        if update and not count:
+            return None
+        ready = self._count_on(counts, stream) if stream is not None else None
+        return counts, None if update else bits, ready
+
+    def _count_on(self, counts: torch.Tensor, stream: torch.cuda.Stream) -> tuple:
+        """Queue on ``stream`` (the compare pass's) each slot's counts, copied to the host:
+        :meth:`counts` then waits for that stream alone, not for what the current stream
+        queued meanwhile (the previous window's emit pass, copies waiting for sends). Its
+        tensors are allocated on the current stream, which waits for ``stream`` before
+        using them; they stay referenced until :meth:`counts` waited for ``stream``, as
+        the allocator would otherwise hand one freed here to the current stream's next
+        allocation while ``stream`` still writes it (syncs failed so, with garbage counts,
+        when this copy's device-side buffer was dropped on return)."""
+        cum = torch.empty(counts.numel(), dtype=torch.int64, device=self.device)
+        ends = torch.empty(self._ends.numel(), dtype=torch.int64, device=self.device)
+        host = torch.empty(ends.numel(), dtype=torch.int64, pin_memory=True)
+        with _device_context(self.device), torch.cuda.stream(stream):
+            torch.cumsum(counts, 0, dtype=torch.int64, out=cum)
+            torch.index_select(cum, 0, self._ends, out=ends)
+            host.copy_(ends, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return cum, ends, host, done
 
     def _launch_compare(self, groups, work, scratch, counts, bits, update, count, pick, stream):
         """One compare launch per entry of ``groups`` (:attr:`groups`, or with ``pick``
@@ -1107,15 +1128,21 @@ class WindowTable:
             self._launch_compare(
                 self.sample_groups, work, work, counts, work, True, True, True, stream
             )
-        return counts, None
+        return counts, None, None
 
     def counts(self, state) -> tuple[np.ndarray, object]:
-        """Each slot's count of changed elements (waits for the compare pass)."""
-        counts, bits = state
+        """Each slot's count of changed elements (waits for the compare pass: for its
+        stream alone where it ran on one, else for the current stream)."""
+        counts, bits, ready = state
         if counts is None:
-            return np.zeros(self.slots, np.int64), state
-        cum = torch.cumsum(counts, 0, dtype=torch.int64)
-        ends = cum.index_select(0, self._ends).cpu().numpy()
+            return np.zeros(self.slots, np.int64), (None, bits)
+        if ready is None:
+            cum = torch.cumsum(counts, 0, dtype=torch.int64)
+            ends = cum.index_select(0, self._ends).cpu().numpy()
+        else:
+            cum, _, host, done = ready
+            done.synchronize()
+            ends = host.numpy()
         return ends[self.slots :] - ends[: self.slots], (cum, bits)
 
     def emit(self, state, work, scratch, plan: np.ndarray, store, changed: int) -> None:
