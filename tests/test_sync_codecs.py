@@ -184,6 +184,10 @@ def _writer(rank: int, port: int, q) -> None:
         control, sync = _configs(port, "delta", 2, delta=_delta_config(), bucket_bytes=DELTA_BUCKET)
         writer = Writer(bound, control, sync)
         writer.connect()
+        if rank == 1:
+            # gloo sends the frames from where the encoder wrote them; this writer copies
+            # them into its staging buffer first, as over transports that register memory
+            writer.codec.send_from_stores(False)
         posted = _record(writer.transport, "send")
         sent = []
         for v in range(1, STEPS + 1):

@@ -414,6 +414,8 @@ class _Session:
                 self.codec.send_buffers() if self.role == "writer" else self.codec.room_buffers()
             )
         self.transport.register(self._staging + ([area] if starts else []) + extra + [self._passed])
+        if self.codec is not None and self.role == "writer":
+            self.codec.send_from_stores(type(self.transport).sends_any_buffer)
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(
             Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)

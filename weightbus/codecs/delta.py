@@ -985,6 +985,14 @@ class DeltaEncoder:
         self._early: set[int] = set()
         """This sync's groups (first buckets) whose pieces went before their window was
         analyzed (:meth:`announced_pieces`)."""
+        self.sends_stores = False
+        """Whether a group's frames leave from the store its window's emit pass wrote them
+        into (allocated each sync), not from a copy of them in the staging buffer that
+        :meth:`encode_group` takes: where the transport sends from any memory of its device
+        and holds what it sends until it is done (NCCL, gloo). Set by the writer once its
+        transport is known. On two H200s at 50% changed with masked frames, the copies took
+        0.4 ms per pass of two 1 GiB windows on the stream the passes run on, each before
+        its send."""
 
     def shadow_of(self, op: BucketOp) -> torch.Tensor:
         base = self._buckets[op.bucket].base
@@ -1162,9 +1170,9 @@ class DeltaEncoder:
         :func:`group_layout` says; return its directories (a host tensor, pinned on CUDA: the
         message a reader takes first) and the messages that follow them, each (its piece's
         index in :attr:`Group.pieces`, or -1 for the group's one second message; its bytes).
-        That second message is bytes of ``buf`` (at least its :attr:`Group.capacity`), or of
-        the shadow when every bucket of the group is sent whole (then nothing is copied);
-        none when nothing changed. A group of plain buckets whose routes are all live
+        That second message is bytes of ``buf`` (at least its :attr:`Group.capacity`), of
+        the shadow when every bucket of the group is sent whole, or of the window's store
+        with :attr:`sends_stores` (then nothing is copied); none when nothing changed. A group of plain buckets whose routes are all live
         regions travels as its pieces instead (``FLAG_PIECES``): live bytes, or staged ones,
         in ``buf`` or, where ``buf`` is None (:meth:`unstaged`), in a room of the group's
         own. Each stays untouched until the sync ends. A group whose pieces went already
@@ -1204,7 +1212,10 @@ class DeltaEncoder:
         if not n:
             return directories, []  # nothing changed: no frames, no second message
         assert win.store is not None
-        buf[:n].copy_(win.store[span[0] : span[1]])
+        frames = win.store[span[0] : span[1]]
+        if self.sends_stores:
+            return directories, [(-1, frames)]  # (the send holds the store until it is done)
+        buf[:n].copy_(frames)
         return directories, [(-1, buf[:n])]
 
     def prepare(self, op: BucketOp) -> None:

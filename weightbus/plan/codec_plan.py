@@ -409,6 +409,14 @@ class WriterCodec:
         if self.encoder is not None:
             self.encoder.queued(op)
 
+    def send_from_stores(self, ok: bool) -> None:
+        """Deltas: whether a group's frames may leave from where the encoder computed them
+        (``ok``: the transport sends from any memory of its device,
+        :attr:`~weightbus.transports.base.Transport.sends_any_buffer`), not copied into the
+        staging buffer first (:attr:`~weightbus.codecs.delta.DeltaEncoder.sends_stores`)."""
+        if self.encoder is not None:
+            self.encoder.sends_stores = ok
+
     def send_buffers(self) -> list[torch.Tensor]:
         """What sends may read besides the staging buffers and live tensors (for transports
         that register memory): with deltas, a shadow on the writer's device, and the rooms

@@ -187,6 +187,11 @@ class Transport:
     writers then post no sends and pack nothing, and readers call :meth:`pull`, not recv."""
     same_process: ClassVar[bool] = False
     """Whether it links only participants that are threads of one process."""
+    sends_any_buffer: ClassVar[bool] = False
+    """Whether a send may read any tensor of a device it moves, not only the buffers
+    :meth:`register` declared and the live tensors, at no extra cost, and keeps it alive
+    until done: a writer's codec then sends what it computed where it lies, without a copy
+    into a staging buffer."""
 
     def __init__(self, timeout: timedelta | None = None) -> None:
         self.timeout = timeout

@@ -202,6 +202,7 @@ class GlooTransport(Transport):
     cross_host = True
     same_gpu_zero_copy = False
     needs_staging = True
+    sends_any_buffer = True
     priority = 0
 
     def __init__(self, config: GlooConfig | None = None, **fields: Any) -> None:

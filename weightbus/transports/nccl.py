@@ -43,6 +43,7 @@ class NcclTransport(Transport):
     same_gpu_zero_copy = False
     needs_staging = True
     priority = 10
+    sends_any_buffer = True
 
     def __init__(self, **fields: Any) -> None:
         super().__init__(fields.pop("timeout", None))
