@@ -1303,7 +1303,7 @@ def kernels_equal_torch(
     seed: int, device: str, window: int, host_copy: bool, shadow: str = "device"
 ) -> None:
     """The same syncs through the torch path and the Triton path: every encoded bucket equal
-    byte for byte, the shadows equal, both readers bit exact after every sync. ``host_copy``:
+    byte for byte (the Triton path's stores poisoned first), the shadows equal, both readers bit exact after every sync. ``host_copy``:
     compare through a copy of the shadow per window, as a GPU writer with a host shadow does."""
     rr = RandomRoutes(seed, device=device)
     cfg = DeltaConfig(window_bytes=window, shadow=shadow, masks=True)
@@ -1315,6 +1315,8 @@ def kernels_equal_torch(
     }
     assert len(enc["triton"]._windows) > 1 or window > 1 << 20
     assert not any(isinstance(lay.table, _TorchWindow) for lay in enc["triton"]._layouts)
+    # the Triton path zeros only what its emit pass does not write: a byte it misses shows
+    enc["triton"]._poison_stores = True
     if host_copy:
         for e in enc.values():
             e._local = False  # a GPU writer's host shadow: compared through a copy per window
@@ -1675,7 +1677,7 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
     from weightbus.layouts.families import model_spec
 
     log = {"counter": None, "inside": collections.Counter(), "launches": collections.Counter()}
-    for name in ("_compare_kernel", "_emit_kernel", "_apply_kernel"):
+    for name in ("_compare_kernel", "_emit_kernel", "_apply_kernel", "_zero_kernel"):
         kernel = _CountedKernel(getattr(_delta_triton, name), name, log)
         monkeypatch.setattr(_delta_triton, name, kernel)
     config = {
@@ -1729,6 +1731,7 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
         "_compare_kernel": groups,
         "_emit_kernel": groups,
         "_apply_kernel": buckets,
+        "_zero_kernel": windows,  # (each window's store: the bytes no frame fills)
     }
     w_ops = sum(writer.ops.values()) - log["inside"][writer]
     r_ops = sum(reader.ops.values()) - log["inside"][reader]

@@ -42,6 +42,7 @@ _TYPES = {
     "buf_ptr": "*u8",
     "faults_ptr": "*i64",
     "where_ptr": "*i32",
+    "chunks_ptr": "*i64",
     "first": "i32",
     "n": "i32",
     "steps": "i32",
@@ -101,3 +102,4 @@ def test_the_delta_kernels_compile_for_sm90():
             SUB=k.COPY_IN[0],
         )  # fmt: skip
     _compile(k._mask_count_kernel, BLOCK=tiles * block, ASM=True, SUB=k.LANES)
+    _compile(k._zero_kernel, CHUNK=k.ZERO_CHUNK)
