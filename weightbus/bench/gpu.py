@@ -950,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="S7: routes may travel as masked frames (a bit per element, then the changed "
-        "values), or only sparse or dense (default: DeltaConfig.masks, off)",
+        "values), or only sparse or dense (default: DeltaConfig.masks, on)",
     )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")

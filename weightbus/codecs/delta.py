@@ -178,18 +178,17 @@ class DeltaConfig:
     """A route travels as a delta (sparse or masked) only while at most this fraction of its
     elements changed; None: whenever that frame is smaller than its dense bytes (below 1/3
     of a bf16 route's elements changed, below 15/16 with :attr:`masks`)."""
-    masks: bool = False
+    masks: bool = True
     """Whether a route may travel as a masked frame (a bit per element, then the changed
     values) where that is smaller than its sparse frame (indices and values) and its dense
     bytes: for bf16 from about 3% to 15/16 of its elements changed. At 50% changed a bf16
     route then takes 56% of its dense bytes, where a sparse frame would take 150% (so it
-    goes dense). Off by default: over NVLink the passes that write and apply masked frames
-    cost about what the bytes they save do. On two H200s (Llama-3-8B, 50% changed) syncs
-    took 49.5 and 46.6 ms with masks (7.3 GB on the wire) against 50.8 and 49.6 without
-    (16.1 GB) in one run, 50.9 and 49.3 against 50.8 and 49.5 in another; per 2 GiB of
-    bf16 on an H200 the writer's emit pass takes 2.0 ms and a reader's masked apply 2.1 ms
-    (a device copy of it: 1.0), whatever the fraction changed. Where the link is slower
-    than those passes (across hosts), fewer bytes should win; not measured there yet.
+    goes dense without masks). On two H200s (Llama-3-8B, 50% changed, two rounds of 12
+    timed syncs) syncs took 44.8 and 45.2 ms with masks (7.3 GB on the wire) against 49.6
+    and 49.1 ms without (16.1 GB, sent dense from the live tensors), S1 46.1-46.6; per 2
+    GiB of bf16 on an H200 the writer's emit pass takes 2.0 ms and a reader's masked apply
+    2.1 ms, whatever the fraction changed (a device copy of it: 1.0). Over a slower link
+    (across hosts) the bytes saved count for more. False: sparse or dense frames only.
     Writer-side only (readers take either)."""
     checksum_every: int = 20
     """Every this many syncs the readers verify a checksum of every bucket; 0: only on request."""
