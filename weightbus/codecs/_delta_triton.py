@@ -15,10 +15,12 @@ Writer, per window (:class:`WindowTable`):
    elements and a bitmask of them (16 bytes a load for routes known to be aligned:
    :data:`ALIGNED`); and the changed elements into the shadow, which then equals the new
    values (:data:`WHOLE_ABOVE`);
-2. a cumsum over the tiles' counts and one small device-to-host copy: each route's count;
+2. a cumsum over the tiles' counts and one small device-to-host copy, on the compare pass's
+   stream: each route's count (the host waits for that stream alone);
 3. emit, after the host chose each route's frame (a plan row per route): the changed elements'
    indices and values into the route's sparse frame, their bits and values into its masked
-   frame (:func:`_mask_bits`), or all its values into a dense frame.
+   frame (:func:`_mask_bits`), or all its values into a dense frame, in the window's store,
+   whose bytes that no frame fills one launch zeroed first (:meth:`WindowTable.zero`).
    Outside dense frames it visits the changed elements only, by the bitmask's words: one step
    per set bit of the word that has the most, each step taking every word's lowest one. A
    program then takes several tiles at once: each tile's work is a chain of dependent reads
@@ -1079,7 +1081,8 @@ class WindowTable:
         count: bool = False,
     ):
         """Launch the compare pass (no waiting), on ``stream`` if given (its buffers are
-        allocated on the current stream, which must wait for ``stream`` before using them).
+        allocated on the current stream, which must wait for ``stream`` before using them;
+        the counts are then summed and copied to the host there too, :meth:`_count_on`).
         ``update``: only bring the shadow up to date (every reader gets dense bytes),
         returning None (with ``count``, the state for :meth:`counts` alone); else return
         the pass's state for :meth:`counts` and :meth:`emit`."""

@@ -1174,10 +1174,10 @@ class DeltaEncoder:
         index in :attr:`Group.pieces`, or -1 for the group's one second message; its bytes).
         That second message is bytes of ``buf`` (at least its :attr:`Group.capacity`), of
         the shadow when every bucket of the group is sent whole, or of the window's store
-        with :attr:`sends_stores` (then nothing is copied); none when nothing changed. A group of plain buckets whose routes are all live
-        regions travels as its pieces instead (``FLAG_PIECES``): live bytes, or staged ones,
-        in ``buf`` or, where ``buf`` is None (:meth:`unstaged`), in a room of the group's
-        own. Each stays untouched until the sync ends. A group whose pieces went already
+        with :attr:`sends_stores` (then nothing is copied); none when nothing changed. A
+        group of plain buckets whose routes are all live regions travels as its pieces
+        instead (``FLAG_PIECES``): live bytes, or staged ones, in ``buf`` or, where ``buf``
+        is None (:meth:`unstaged`), in a room of the group's own. Each stays untouched until the sync ends. A group whose pieces went already
         (:meth:`announced_pieces`) gets its directories alone."""
         group = self.group(op)
         if group is None:
