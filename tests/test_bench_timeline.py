@@ -52,6 +52,18 @@ def test_the_summary_gives_streams_transfers_gaps_and_idle_stretches(trace):
     assert gaps[0].split() == ["2.40", "ms", "at", "9.60:", "_emit_kernel"]
     assert gaps[1].split() == ["0.50", "ms", "at", "4.00:", "_compare_kernel"]
     assert "every stream idle over 0.2 ms: 1 times, 1.40 ms" in text
+    # the other work, in order, with its stream (the transfers and the host's ops left out)
+    at = lines.index("other work over 0.1 ms, in order (start ms, ms, stream): 4")
+    assert [x.split() for x in lines[at + 1 : at + 5]] == [
+        ["0.00", "1.00", "14", "_compare_kernel"],
+        ["3.50", "1.00", "14", "_compare_kernel"],
+        ["7.00", "0.50", "14", "Memcpy", "DtoD", "(Device", "->", "Device)"],
+        ["11.00", "1.00", "7", "_emit_kernel"],
+    ]
+    capped = summarize(trace, most=1, work_ms=0.6).splitlines()
+    at = capped.index("other work over 0.6 ms, in order (start ms, ms, stream): the first 1 of 3")
+    assert capped[at + 1].split() == ["0.00", "1.00", "14", "_compare_kernel"]
+    assert capped[at + 2].startswith("transfer kernels")
 
 
 def test_the_summary_is_written_beside_the_trace_and_printed(trace, capsys):

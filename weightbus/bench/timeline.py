@@ -8,6 +8,8 @@ terminal, so that a run on a remote machine need not carry the trace back:
 
 - per GPU stream: its kernels and copies, their time, and when the first began and the last
   ended (milliseconds from the first GPU event);
+- the other kernels and copies longer than ``work_ms``, in order, each with its start,
+  length and stream (passes that run one after another, and what waited between them);
 - the transfer kernels (NCCL's, by name) in order, with the gap before each one longer than
   ``gap_ms``, and what ran on the other streams during that gap (a compare pass that held
   the next message back shows there);
@@ -70,9 +72,13 @@ def _short(name: str, width: int = 48) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def summarize(path: str | Path, *, gap_ms: float = 0.2, most: int = 40) -> str:
+def summarize(
+    path: str | Path, *, gap_ms: float = 0.2, most: int = 40, work_ms: float = 0.1
+) -> str:
     """The timeline of the trace at ``path`` as text (see the module docstring); ``most``
-    caps the gaps listed (the longest are kept)."""
+    caps the gaps listed (the longest are kept) and the other work listed (the earliest
+    are kept), which is the kernels and copies but the transfer kernels that took more
+    than ``work_ms``."""
     trace = json.loads(Path(path).read_text())
     events = _events(trace)
     if not events:
@@ -105,6 +111,19 @@ def summarize(path: str | Path, *, gap_ms: float = 0.2, most: int = 40) -> str:
             stretches += 1
         busy_to = max(busy_to, start + float(e["dur"]))
     lines.append(f"every stream idle over {gap_ms} ms: {stretches} times, {idle:.2f} ms")
+    # the other work in order: passes that run one after another show here, each with the
+    # stream it ran on and what waited between them
+    work = [
+        e for e in events if _TRANSFER not in e["name"].lower() and float(e["dur"]) > work_ms * 1000
+    ]
+    shown = f"the first {most} of {len(work)}" if len(work) > most else f"{len(work)}"
+    lines.append(f"other work over {work_ms} ms, in order (start ms, ms, stream): {shown}")
+    for e in work[:most]:
+        stream = e.get("args", {}).get("stream", e.get("tid"))
+        lines.append(
+            f"  {ms(float(e['ts'])):8.2f} {float(e['dur']) / 1000.0:6.2f}  {stream}  "
+            f"{_short(e['name'])}"
+        )
     transfers = [e for e in events if _TRANSFER in e["name"].lower()]
     if not transfers:
         lines.append("no transfer kernels")
@@ -274,13 +293,18 @@ def main(argv: list[str] | None = None) -> int:
         "more, also their first messages lined up (one host's traces)",
     )
     p.add_argument("--gap-ms", type=float, default=0.2, help="gaps listed above this (ms)")
-    p.add_argument("--most", type=int, default=40, help="at most this many gaps listed")
+    p.add_argument(
+        "--most", type=int, default=40, help="at most this many gaps, and other work, listed"
+    )
+    p.add_argument(
+        "--work-ms", type=float, default=0.1, help="other work (not transfers) listed above this"
+    )
     a = p.parse_args(argv)
     for trace in a.trace:
         if not Path(trace).is_file():
             p.error(f"{trace}: no such file")
     for trace in a.trace:
-        print(summarize(trace, gap_ms=a.gap_ms, most=a.most), end="")
+        print(summarize(trace, gap_ms=a.gap_ms, most=a.most, work_ms=a.work_ms), end="")
     if len(a.trace) > 1:
         print(across(a.trace), end="")
     return 0
