@@ -1303,8 +1303,9 @@ def kernels_equal_torch(
     seed: int, device: str, window: int, host_copy: bool, shadow: str = "device"
 ) -> None:
     """The same syncs through the torch path and the Triton path: every encoded bucket equal
-    byte for byte (the Triton path's stores poisoned first), the shadows equal, both readers bit exact after every sync. ``host_copy``:
-    compare through a copy of the shadow per window, as a GPU writer with a host shadow does."""
+    byte for byte (the Triton path's stores poisoned first), the shadows equal, both readers
+    bit exact after every sync. ``host_copy``: compare through a copy of the shadow per
+    window, as a GPU writer with a host shadow does."""
     rr = RandomRoutes(seed, device=device)
     cfg = DeltaConfig(window_bytes=window, shadow=shadow, masks=True)
     enc = {
