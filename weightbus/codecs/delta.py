@@ -1179,8 +1179,9 @@ class DeltaEncoder:
         with :attr:`sends_stores` (then nothing is copied); none when nothing changed. A
         group of plain buckets whose routes are all live regions travels as its pieces
         instead (``FLAG_PIECES``): live bytes, or staged ones, in ``buf`` or, where ``buf``
-        is None (:meth:`unstaged`), in a room of the group's own. Each stays untouched until the sync ends. A group whose pieces went already
-        (:meth:`announced_pieces`) gets its directories alone."""
+        is None (:meth:`unstaged`), in a room of the group's own. Each stays untouched
+        until the sync ends. A group whose pieces went already (:meth:`announced_pieces`)
+        gets its directories alone."""
         group = self.group(op)
         if group is None:
             raise RuntimeError(f"{self.name}: bucket {op.bucket} does not start a group")
