@@ -787,6 +787,9 @@ class _Layout:
     nbytes: np.ndarray
     mask_bytes: np.ndarray
     """Per route: the bytes of its masked frame's bitmask (:func:`mask_bytes`)."""
+    index_size: np.ndarray
+    """Per route: the bytes of each index of its sparse frame (4, or 8 from :data:`_WIDE`
+    elements)."""
     meta_at: np.ndarray
     """Per bucket: where its header and directory start among the window's."""
     records: np.ndarray
@@ -1422,6 +1425,7 @@ class DeltaEncoder:
             numel=numel,
             nbytes=isz * numel,
             mask_bytes=mask_bytes(numel),
+            index_size=np.where(numel < _WIDE, 4, 8),
             meta_at=meta_at,
             records=(first + _ENT.size * within) // _ENT.size,
             offset=np.array([c.offset for bk in bks for c in bk.op.copies], np.int64),
@@ -1593,8 +1597,7 @@ class DeltaEncoder:
         """Per route: its frame's kind (DENSE, SPARSE or MASKED), the smallest on the wire
         (sparse where it ties with masked)."""
         m, isz = lay.numel, lay.isz
-        ix = np.where(m < _WIDE, 4, 8)
-        size = _aligned(_aligned(counts * ix) + counts * isz)
+        size = _aligned(_aligned(counts * lay.index_size) + counts * isz)
         kind = np.full(len(m), SPARSE, np.int64)
         if self.config.masks:
             masked = _aligned(lay.mask_bytes + counts * isz)
@@ -1614,7 +1617,7 @@ class DeltaEncoder:
         nb = len(lay.bks)
         sparse, masked = kind == SPARSE, kind == MASKED
         delta = sparse | masked
-        ix = np.where(sparse, np.where(lay.numel < _WIDE, 4, 8), 0)
+        ix = np.where(sparse, lay.index_size, 0)
         # a delta frame: its indices or its bitmask, then its values
         index_bytes = np.where(masked, lay.mask_bytes, _aligned(counts * ix))
         size = np.where(delta, index_bytes + counts * lay.isz, lay.nbytes)
