@@ -49,7 +49,6 @@ from weightbus.codecs.delta import (
     piece_posts,
 )
 from weightbus.codecs.fp8 import Fp8Config, scale_name
-from weightbus.codecs.marks import ChangeMarks
 from weightbus.errors import WeightbusError
 from weightbus.plan import PlanOptions, allocate, fill_from_canonical, make_plan, poison
 from weightbus.plan.codec_plan import CodecConfig, ReaderCodec, WriterCodec, run_sync, wire_layout
@@ -1212,42 +1211,22 @@ def _target(shape, dtype, g, device) -> torch.Tensor:
     return t.permute(*reversed(range(len(shape))))
 
 
-WORD_COLS = [(0, 96), (32, 96), (0, 70), (32, 90)]
-"""Columns of the regions of "wa" (rows of 96 elements) that :class:`RandomRoutes` takes with
-``words``: each starts at a word of its change marks."""
-
-
 class RandomRoutes:
     """Buckets of random routes between random writer regions and reader regions, for two
     readers (peers 0 and 1); some buckets are computed (filled), not live views."""
 
-    def __init__(
-        self, seed: int, n_buckets: int = 9, device: str = "cpu", words: bool = False
-    ) -> None:
+    def __init__(self, seed: int, n_buckets: int = 9, device: str = "cpu") -> None:
         g = torch.Generator().manual_seed(seed)
         self.g = g
         self.writer = {k: make(g).to(device) for k, make in WRITER_TENSORS.items()}
-        if words:
-            # rows of 96 (a multiple of 32) cut at column 0 or 32: every region of it starts
-            # at a word of its change marks (contiguous, or rows of unit stride)
-            self.writer["wa"] = torch.randn(64, 96, generator=g).to(torch.bfloat16).to(device)
         self.w_ops, self.r_ops, self.targets = [], [], {}
         for b in range(n_buckets):
             copies, rcopies, at = [], [], 0
-            picks = int(torch.randint(1, 6, (1,), generator=g))
-            # (the first bucket: "wa" as whole rows, rows from column 32, rows of 70 (their
-            # last word partly another region's), one row's first 70 elements (contiguous))
-            first = [(0, 96), (32, 96), (0, 70), (0, -70)] if words and b == 0 else []
-            for cols in [*first, *([None] * picks)]:
+            for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
                 key = list(self.writer)[int(torch.randint(0, len(self.writer), (1,), generator=g))]
-                key = "wa" if cols else key
                 t = self.writer[key]
                 empty = bool(torch.rand(1, generator=g) < 0.1)
-                index = _box(t.shape, g, empty and not cols)
-                if key == "wa":
-                    c0, c1 = cols or WORD_COLS[int(torch.randint(0, 4, (1,), generator=g))]
-                    rows = index[0] if c1 > 0 else slice(index[0].start, index[0].start + 1)
-                    index = (rows, slice(c0, abs(c1)))
+                index = _box(t.shape, g, empty)
                 region = t[index]
                 n = region.numel() * region.element_size()
                 name = f"r{len(self.targets)}"
@@ -1321,51 +1300,20 @@ def _bits_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def kernels_equal_torch(
-    seed: int,
-    device: str,
-    window: int,
-    host_copy: bool,
-    shadow: str = "device",
-    marked: bool = False,
+    seed: int, device: str, window: int, host_copy: bool, shadow: str = "device"
 ) -> None:
     """The same syncs through the torch path and the Triton path: every encoded bucket equal
     byte for byte (the Triton path's stores poisoned first), the shadows equal, both readers
     bit exact after every sync. ``host_copy``: compare through a copy of the shadow per
-    window, as a GPU writer with a host shadow does. ``marked``: the writer's changes are
-    marked (with every 13th element besides, changed or not), and windows of live routes
-    read the marks instead of comparing."""
-    rr = RandomRoutes(seed, device=device, words=marked)
-    cfg = DeltaConfig(window_bytes=window, shadow=shadow, masks=True, change_marks=marked)
-    marks = {impl: ChangeMarks(rr.writer, name=impl) for impl in ("torch", "triton")}
+    window, as a GPU writer with a host shadow does."""
+    rr = RandomRoutes(seed, device=device)
+    cfg = DeltaConfig(window_bytes=window, shadow=shadow, masks=True)
     enc = {
         impl: DeltaEncoder(
-            rr.w_ops,
-            cfg,
-            fill=rr.fill,
-            views=rr.views,
-            device=device,
-            impl=impl,
-            name=impl,
-            marks=marks[impl] if marked else None,
+            rr.w_ops, cfg, fill=rr.fill, views=rr.views, device=device, impl=impl, name=impl
         )
         for impl in ("torch", "triton")
     }
-    used = collections.Counter()
-    if marked:
-        for impl, e in enc.items():
-            e._marked = _counted(e._marked, used, impl)  # type: ignore[method-assign]
-        from weightbus.codecs import _delta_triton as k
-
-        # routes read by words of the marks (contiguous; rows of 96 where tiles are at most
-        # twice that: else they are addressed as FLAT), and element by element
-        launches = {
-            (k._unaligned(mode), by_words)
-            for lay in enc["triton"]._layouts
-            for _, mode, by_words, _, _ in lay.table.marked_groups
-        }
-        want = {(k.CONTIG, True), (k.CONTIG, False), (k.FLAT, False)}
-        want |= {(k.ROWS, True)} if k.BLOCK <= 192 else set()
-        assert want <= launches, launches
     assert len(enc["triton"]._windows) > 1 or window > 1 << 20
     assert not any(isinstance(lay.table, _TorchWindow) for lay in enc["triton"]._layouts)
     # the Triton path zeros only what its emit pass does not write: a byte it misses shows
@@ -1381,15 +1329,8 @@ def kernels_equal_torch(
     steps = [(1, None), (0.01, None), (0.0, None), (0.5, {1}), (1.0, None)]
     kinds: collections.Counter = collections.Counter()
     for v, (fraction, dense) in enumerate(steps, start=1):
-        before = {k: t.clone() for k, t in rr.writer.items()}
         if fraction:
             rr.change(fraction)
-        if marked:
-            for k, t in rr.writer.items():
-                where = (t.view(_bits_dtype(t)) != before[k].view(_bits_dtype(t))).contiguous()
-                where.view(-1)[::13] = True  # marked, not changed: sent all the same
-                for m in marks.values():
-                    m.mark(t, where)
         dense = {0, 1} if v == 1 else (dense or set())
         decision = DeltaDecision(
             version=v,
@@ -1417,18 +1358,6 @@ def kernels_equal_torch(
             rr.assert_readers_hold(tensors[impl])
     # every kind of frame was compared: sparse at 1%, masked at 50%
     assert kinds[2, SPARSE] and kinds[4, MASKED], kinds
-    if marked:  # (the windows of live routes, analyzed from counts, in syncs without checksum)
-        assert used["torch", True] == used["triton", True] > 0, used
-        assert all(m.count() == 0 for m in marks.values())  # cleared at each sync's end
-
-
-def _counted(fn, counter: collections.Counter, name: str):
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        counter[name, out] += 1
-        return out
-
-    return wrapped
 
 
 @interpreted
@@ -1462,17 +1391,6 @@ def test_interp_kernels_equal_the_torch_path(
         monkeypatch.setattr(_delta_triton, "EMIT_STEPS", (tiles, 2))
         monkeypatch.setattr(_delta_triton, "STEPS_BELOW", 1.1)
     kernels_equal_torch(seed, "cpu", window, host_copy)
-
-
-@interpreted
-@pytest.mark.parametrize("seed,window,host_copy", [(4, 1500, False), (5, 4000, True)])
-def test_interp_marked_passes_equal_the_torch_path(seed, window, host_copy, monkeypatch):
-    """Windows whose every route is live read the trainer's marks instead of comparing: the
-    Triton pass and the torch path give the same buckets and shadows, readers bit exact."""
-    from weightbus.codecs import _delta_triton
-
-    monkeypatch.setattr(_delta_triton, "BLOCK", 128)
-    kernels_equal_torch(seed, "cpu", window, host_copy, marked=True)
 
 
 @interpreted

@@ -63,44 +63,6 @@ def test_kernels_equal_the_torch_path(seed, window, shadow, block, monkeypatch):
     kernels_equal_torch(seed, "cuda", window, host_copy=False, shadow=shadow)
 
 
-@pytest.mark.parametrize("block", [2048, 128])
-@pytest.mark.parametrize("seed,window,shadow", [(4, 1500, "device"), (5, 4000, "host")])
-def test_marked_passes_equal_the_torch_path(seed, window, shadow, block, monkeypatch):
-    from weightbus.codecs import _delta_triton
-
-    monkeypatch.setattr(_delta_triton, "BLOCK", block)
-    kernels_equal_torch(seed, "cuda", window, host_copy=False, shadow=shadow, marked=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
-def test_the_marked_copy_kernel_equals_the_torch_path(dtype):
-    """Contiguous views at word boundaries take the kernel, the others torch ops: the same
-    values and the same marks, bit for bit (NaN payloads and signed zeros included)."""
-    from weightbus.codecs.marks import ChangeMarks
-
-    g = torch.Generator().manual_seed(3)
-    n = 3 * 4096 + 77
-    base = torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8)
-    base = base.to(dtype) if dtype == torch.uint8 else torch.randn(n, generator=g).to(dtype)
-    src = base.clone()
-    idx = torch.randperm(n, generator=g)[: n // 50]
-    src[idx] = (src[idx].float() * 3 + 1).to(dtype)
-    if dtype.is_floating_point:
-        src[5] = -0.0 if not torch.signbit(base[5]) else 0.0
-        src[6] = 0.0 if torch.signbit(base[6]) else -0.0
-    marks, dsts = {}, {}
-    for where in ("cuda", "cpu"):
-        dst = dsts[where] = base.to(where, copy=True)
-        m = marks[where] = ChangeMarks({"w": dst})
-        m.copy_(dst[:100], src[:100].to(where))  # the kernel on CUDA (at a word boundary)
-        m.copy_(dst[100:], src[100:].to(where))  # torch ops (element 100: inside a word)
-        assert torch.equal(dst.cpu().view(torch.uint8), src.view(torch.uint8))
-    words = {where: marks[where].locate(dsts[where])[0].cpu() for where in marks}
-    assert torch.equal(words["cuda"], words["cpu"])
-    want = (base.view(torch.uint8).view(n, -1) != src.view(torch.uint8).view(n, -1)).any(1)
-    assert marks["cuda"].count() == int(want.sum()) > n // 60
-
-
 def test_aligned_routes_take_the_aligned_compare():
     """On the GPU a wrong alignment hint would load wrong bytes or fault."""
     aligned_routes_case("cuda")

@@ -43,10 +43,6 @@ _TYPES = {
     "faults_ptr": "*i64",
     "where_ptr": "*i32",
     "chunks_ptr": "*i64",
-    "marks_ptr": "*i64",
-    "dst_ptr": "*i16",
-    "src_ptr": "*i16",
-    "words_ptr": "*i32",
     "first": "i32",
     "n": "i32",
     "steps": "i32",
@@ -83,17 +79,8 @@ def test_the_delta_kernels_compile_for_sm90():
         for update, count, pick in ((False, True, False), (True, True, True), (True, False, False)):
             _compile(
                 k._compare_kernel, T=tl.int16, MODE=mode, UPDATE=update, COUNT=count,
-                BLOCK=block, R=r, WHOLE=block // 16, PICK=pick, MARKS=False,
+                BLOCK=block, R=r, WHOLE=block // 16, PICK=pick,
             )  # fmt: skip
-    # the marked pass: element by element (each addressing mode), and by words of the marks
-    for mode in (k.CONTIG, k.ROWS, k.FLAT):
-        _compile(
-            k._compare_kernel, T=tl.int16, MODE=mode, UPDATE=False, COUNT=True, BLOCK=block,
-            R=k.COMPARE_MARKED[0], WHOLE=block // 16, PICK=False, MARKS=True,
-        )  # fmt: skip
-    for rows in (False, True):
-        _compile(k._marked_kernel, T=tl.int16, ROWS_=rows, BLOCK=block, WHOLE=block // 16)
-    _compile(k._marked_copy_kernel, BLOCK=k.MARK_COPY[0])
     # the emit pass, by steps and by lanes, in each addressing mode (sparse, masked, dense)
     for mode in (k.CONTIG, k.ROWS, k.FLAT):
         for steps in (True, False):

@@ -11,7 +11,6 @@ import torch
 from weightbus._session import Progress, SyncResult, _Deadline, _phase, _Session
 from weightbus._trace import mark
 from weightbus.codecs.fp8 import AmaxReduce
-from weightbus.codecs.marks import ChangeMarks
 from weightbus.control.store import ACK, HOLDS
 from weightbus.errors import WeightbusError
 from weightbus.plan.codec_plan import CodecConfig, WriterCodec, checked_tag, rest_tag
@@ -55,24 +54,6 @@ class Writer(_Session):
         self._ahead: set[int] = set()
         """Deltas: groups (first buckets) whose directories went with the previous group's
         buckets in the current sync."""
-        delta = self.config.delta
-        self._marks = (
-            ChangeMarks(self.bound.tensors, name=self.name)
-            if delta is not None and delta.change_marks
-            else None
-        )
-
-    @property
-    def change_marks(self) -> ChangeMarks:
-        """Deltas with ``DeltaConfig.change_marks``: where the trainer marks what it changes
-        before each sync (``writer.change_marks.copy_(param, master)``; see
-        :mod:`weightbus.codecs.marks`)."""
-        if self._marks is None:
-            raise WeightbusError(
-                f"{self.name}: change marks are off; pass SyncConfig(delta=DeltaConfig("
-                "change_marks=True)) to this writer"
-            )
-        return self._marks
 
     def _on_build(self) -> None:
         """At connect and in every new membership epoch (once every participant agreed on
@@ -81,12 +62,7 @@ class Writer(_Session):
 
     def _make_codec(self, plan, codecs: CodecConfig) -> WriterCodec:
         return WriterCodec(
-            plan,
-            self.bound.layout.rank,
-            self.bound.tensors,
-            codecs,
-            amax_reduce=self.amax_reduce,
-            marks=self._marks,
+            plan, self.bound.layout.rank, self.bound.tensors, codecs, amax_reduce=self.amax_reduce
         )
 
     def request_dense(self) -> None:

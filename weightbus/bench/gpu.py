@@ -248,16 +248,7 @@ def _participant_worker(role: str, rank: int, gpu: int, args, q) -> None:
                 # changes to know what it must hold)
                 _change(canon, i + 1, args.changed)
                 if role == "writer":
-                    # the trainer's step: its weights written (through the marks, or not)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    if args.change_marks:
-                        _marked_fill(layout, canon, tensors, side.change_marks)
-                    else:
-                        fill_from_canonical(layout, canon, tensors)
-                    torch.cuda.synchronize()
-                    if args.warmup <= i < total - 1:
-                        extra.setdefault("fill_ms", []).append(1e3 * (time.perf_counter() - t0))
+                    fill_from_canonical(layout, canon, tensors)
                 torch.cuda.synchronize()
             if role == "reader" and last:
                 for t in tensors.values():
@@ -392,7 +383,6 @@ def _scenario_codecs(
     pieces: bool | None = None,
     announce: bool | None = None,
     masks: bool | None = None,
-    change_marks: bool = False,
 ) -> dict:
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
@@ -400,8 +390,7 @@ def _scenario_codecs(
     MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's; ``pieces``:
     groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, ``announce``,
     :attr:`DeltaConfig.announce`, and ``masks``, :attr:`DeltaConfig.masks`; None: their
-    defaults; ``change_marks``: the writer's changes are marked,
-    :attr:`DeltaConfig.change_marks`)."""
+    defaults)."""
     from weightbus.codecs import DeltaConfig, Fp8Config
 
     if scenario == "S6":
@@ -419,7 +408,7 @@ def _scenario_codecs(
             window["announce"] = announce
         if masks is not None:
             window["masks"] = masks
-        return {"delta": DeltaConfig(checksum_every=0, change_marks=change_marks, **window)}
+        return {"delta": DeltaConfig(checksum_every=0, **window)}
     return {}
 
 
@@ -435,7 +424,6 @@ def _codec_flags(a) -> dict:
         "pieces": a.pieces,
         "announce": a.announce,
         "masks": a.masks,
-        "change_marks": a.change_marks,
     }
 
 
@@ -469,13 +457,6 @@ def _change(canon: dict, step: int, fraction: float) -> None:
         g = torch.Generator(device=x.device).manual_seed(zlib.crc32(name.encode()) + 7919 * step)
         idx = torch.randint(flat.numel(), (n,), generator=g, device=x.device)
         flat[idx] = (flat[idx].float() * -0.5 + 1e-3).to(flat.dtype)
-
-
-def _marked_fill(layout, canon: dict, tensors: dict, marks) -> None:
-    """:func:`weightbus.plan.fill_from_canonical` through the writer's change marks."""
-    for p in layout.iter_pieces():
-        dst = tensors[p.key][p.local_box.slices()]
-        marks.copy_(dst, canon[p.tensor][p.box.slices()].reshape(dst.shape))
 
 
 def _exact(layout, tensors: dict, canon: dict, device) -> bool:
@@ -873,13 +854,7 @@ def _run_spec(
         entry["pieces"] = delta.pieces
         entry["announce"] = delta.announce
         entry["masks"] = delta.masks
-        entry["change_marks"] = delta.change_marks
         entry["exact_before_dense"] = res[("reader-0", 0)].get("exact_before_dense")
-        fills = res[("writer-0", 0)].get("fill_ms")
-        if fills:
-            # the trainer's step before each timed sync (its weights written, through the
-            # marks or not): what marks cost it, outside the sync's time
-            entry["trainer_fill_median_ms"] = round(statistics.median(fills), 3)
     print(
         f"  {sname}{tag}: {moved / 1e9:.2f} GB median {stats['median_s'] * 1e3:.1f} ms "
         f"[{stats['min_s'] * 1e3:.1f}, {stats['max_s'] * 1e3:.1f}] -> {got:.1f} GB/s, ratio {ratio:.3f} "
@@ -891,13 +866,6 @@ def _run_spec(
             f"  S6: on the wire, the FP8 tensors take {entry['fp8_tensors_wire_fraction']:.2%} "
             f"of their bf16 bytes, the whole model {entry['wire_fraction_of_s1']:.2%} (the "
             "ignore list's tensors stay bf16)",
-            flush=True,
-        )
-    if "trainer_fill_median_ms" in entry:
-        how = "through the change marks" if entry["change_marks"] else "plain copies"
-        print(
-            f"  S7: the trainer's step before each sync ({how}): median "
-            f"{entry['trainer_fill_median_ms']:.2f} ms",
             flush=True,
         )
     return entry
@@ -983,13 +951,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="S7: routes may travel as masked frames (a bit per element, then the changed "
         "values), or only sparse or dense (default: DeltaConfig.masks, on)",
-    )
-    p.add_argument(
-        "--change-marks",
-        action="store_true",
-        help="S7: the writer's trainer step marks what it changes (ChangeMarks.copy_ in place "
-        "of copy_), and the writer reads the marks instead of comparing; the step's time is "
-        "in the results either way (fill_ms)",
     )
     add_sync_flags(p)
     p.add_argument("--out", default="bench/results", help="results directory")

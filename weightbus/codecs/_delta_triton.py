@@ -83,13 +83,6 @@ Measured on an H200, 1 GiB of bf16 in 32 routes (steps, 4 tiles a program, again
 COMPARE = (1, 8)
 """Tiles per program and warps of the compare pass (on an H200, 2 tiles a program or 4 or
 16 warps were slower)."""
-COMPARE_MARKED = (1, 8)
-"""Tiles per program and warps of the pass that reads the trainer's marks instead of
-comparing (:mod:`weightbus.codecs.marks`), element by element (routes whose tiles do not
-start at a word of the marks, or without marks)."""
-MARKED_WORDS_WARPS = 4
-"""Warps of the marked pass over routes whose tiles cover whole words of the marks (a tile a
-program, :func:`_marked_kernel`)."""
 SAMPLE = 16
 """A window sent dense on a guess (every route of it went dense last time) is copied into the
 shadow; :meth:`WindowTable.sample` first compares every this-many-th tile of each of its
@@ -127,8 +120,6 @@ COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
 32 tiles a program or 8 warps 0.55-0.57 ms)."""
-MARK_COPY = (4096, 8)
-"""Elements a program and warps of a trainer's marked copy (:func:`marked_copy`)."""
 ZERO_CHUNK = 4096
 """Bytes a program of the kernel zeroing a window's store takes at most
 (:meth:`WindowTable.zero`)."""
@@ -179,7 +170,6 @@ _EF: tl.constexpr = tl.constexpr(_EFH)
 # the buffer), elements of the route, values (the frame's count), 0, 0
 # elements compared and copied as integers of their width: raw bits
 _INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
@@ -349,18 +339,13 @@ def _compare_kernel(
     R: tl.constexpr,
     WHOLE: tl.constexpr,
     PICK: tl.constexpr,
-    marks_ptr=None,
-    MARKS: tl.constexpr = False,
 ):
     """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits), and bring
     the shadow up to date; ``UPDATE``: no bitmask (every reader of the window gets dense
     bytes); ``COUNT``: with counts; ``WHOLE``: see :func:`_compare_aligned`; ``PICK``: the
     launch's tiles are the ``n`` listed at ``picks_ptr`` from entry ``first`` (a sample),
-    else tiles ``first`` to ``first + n``. ``MARKS``: the changed elements are those the
-    trainer marked (per route row at ``marks_ptr``: the address of its storage's marks,
-    int32 words, or 0 for a route compared, and its first element's place among them): only
-    the marks and the marked elements are read."""
-    if (MODE == _ALIGNED or MODE == _ALIGNED_ROWS) and not MARKS:
+    else tiles ``first`` to ``first + n``."""
+    if MODE == _ALIGNED or MODE == _ALIGNED_ROWS:
         tl.static_assert(R == 1, "ALIGNED routes: one tile a program")
         at = first + tl.program_id(0).to(tl.int64)
         if PICK:
@@ -373,23 +358,9 @@ def _compare_kernel(
     u, valid, off = _at(rr, g[:, None] - tl.load(rr + 3), tl.arange(0, BLOCK)[None, :], MODE, BLOCK)
     valid = valid & live[:, None]
     new_ptr, old_ptr = _regions(rr, work_ptr, scratch_ptr, T)
-    if MARKS:
-        # a route with marks reads them and its marked elements; one without (address 0:
-        # computed values, FP8 or a cast) is compared
-        m = marks_ptr + tl.load(tiles_ptr + g, mask=live, other=0).to(tl.int64)[:, None] * 2
-        at = tl.load(m)
-        e = tl.load(m + 1) + off
-        words = (at + (e >> 5) * 4).to(tl.pointer_type(tl.int32))
-        has = at != 0
-        hit = (tl.load(words, mask=valid & has, other=0) >> (e & 31).to(tl.int32)) & 1
-        cmp = valid & (at == 0)
-        new = tl.load(new_ptr + off, mask=(valid & (hit != 0)) | cmp, other=0)
-        old = tl.load(old_ptr + u, mask=cmp, other=0)
-        changed = valid & tl.where(has, hit != 0, new != old)
-    else:
-        new = tl.load(new_ptr + off, mask=valid, other=0)
-        old = tl.load(old_ptr + u, mask=valid, other=0)
-        changed = valid & (new != old)
+    new = tl.load(new_ptr + off, mask=valid, other=0)
+    old = tl.load(old_ptr + u, mask=valid, other=0)
+    changed = valid & (new != old)
     c = changed.to(tl.int32)
     if COUNT:
         tl.store(counts_ptr + g + 1, tl.sum(c, axis=1), mask=live)
@@ -401,95 +372,6 @@ def _compare_kernel(
         words = tl.sum(shifted, axis=2)
         at = g[:, None] * (BLOCK // 32) + tl.arange(0, BLOCK // 32)[None, :]
         tl.store(bits_ptr + at, words, mask=live[:, None])
-
-
-@triton.jit(do_not_specialize=["first"])
-def _marked_kernel(tiles_ptr, routes_ptr, marks_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr,
-                   first, T: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr,
-                   WHOLE: tl.constexpr):  # fmt: skip
-    """The marked pass over tile ``first + program_id`` of a route whose tiles each cover
-    whole words of its storage's marks (``ROWS_``: tiles in rows of unit stride): the
-    tile's words are its bitmask, its marked elements go into the shadow (the whole tile
-    where more than ``WHOLE`` are marked), with the counts, as the compare pass gives them.
-    Every index within the tile is 32-bit: per element, a shift and two ands."""
-    g = first + tl.program_id(0).to(tl.int64)
-    idx = tl.load(tiles_ptr + g).to(tl.int64)
-    row = routes_ptr + idx * _RF
-    m = marks_ptr + idx * 2
-    t = g - tl.load(row + 3)
-    new_ptr, old_ptr = _regions(row, work_ptr, scratch_ptr, T)
-    e0 = tl.load(m + 1)
-    if ROWS_:
-        tpr = tl.load(row + 5)
-        ncols = tl.load(row + 8)
-        rr = t // tpr
-        c0 = (t - rr * tpr) * BLOCK
-        lead = _lead(row + 8, rr)
-        new_ptr = new_ptr + lead + c0
-        old_ptr = old_ptr + rr * ncols + c0
-        e0 = e0 + lead + c0
-        left = tl.minimum(ncols - c0, BLOCK).to(tl.int32)
-    else:
-        new_ptr = new_ptr + t * BLOCK
-        old_ptr = old_ptr + t * BLOCK
-        e0 = e0 + t * BLOCK
-        left = tl.minimum(tl.load(row + 4) - t * BLOCK, BLOCK).to(tl.int32)
-    marks = (tl.load(m) + (e0 >> 5) * 4).to(tl.pointer_type(tl.int32))
-    j = tl.arange(0, BLOCK)
-    valid = j < left
-    # each element's bit, its word loaded per element (a word's 32 share one load); a
-    # layout of [words, 32] would take a conversion through shared memory per tile
-    c = (tl.load(marks + (j >> 5), mask=valid, other=0) >> (j & 31)) & 1
-    n = tl.sum(c, axis=0)
-    tl.store(counts_ptr + g + 1, n)
-    tl.store(counts_ptr + g * 0, g * 0, mask=g == 0)
-    if n > WHOLE:
-        tl.store(old_ptr + j, tl.load(new_ptr + j, mask=valid, other=0), mask=valid)
-    else:
-        hit = c != 0
-        tl.store(old_ptr + j, tl.load(new_ptr + j, mask=hit, other=0), mask=hit)
-    # the bitmask: the words themselves, without the bits past the route (or its row)
-    k = tl.arange(0, BLOCK // 32)
-    bits = tl.minimum(tl.maximum(left - k * 32, 0), 32)
-    keep = tl.where(bits >= 32, -1, (1 << tl.minimum(bits, 31)) - 1)
-    words = tl.load(marks + k, mask=bits > 0, other=0) & keep
-    tl.store(bits_ptr + g * (BLOCK // 32) + k, words)
-
-
-@triton.jit
-def _marked_copy_kernel(dst_ptr, src_ptr, words_ptr, n, BLOCK: tl.constexpr):
-    """Tile ``program_id`` of ``BLOCK`` elements (raw bits): copy the source's elements that
-    differ from the destination's (the whole tile where more than a 16th do), and OR their
-    bits into the marks (the destination's first element at bit 0 of ``words_ptr``)."""
-    t = tl.program_id(0).to(tl.int64)
-    j = t * BLOCK + tl.arange(0, BLOCK)
-    valid = j < n
-    old = tl.load(dst_ptr + j, mask=valid, other=0)
-    new = tl.load(src_ptr + j, mask=valid, other=0)
-    c = valid & (new != old)
-    if tl.sum(c.to(tl.int32), axis=0) > BLOCK // 16:
-        tl.store(dst_ptr + j, new, mask=valid)  # (whole sectors: no read of the rest)
-    else:
-        tl.store(dst_ptr + j, new, mask=c)
-    # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
-    words = tl.sum(tl.reshape(c.to(tl.int32), [BLOCK // 32, 32]) << tl.arange(0, 32)[None, :], 1)
-    w = t * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-    live = w * 32 < n
-    before = tl.load(words_ptr + w, mask=live, other=0)
-    tl.store(words_ptr + w, before | words, mask=live)
-
-
-def marked_copy(dst: torch.Tensor, src: torch.Tensor, words: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for contiguous tensors of one dtype, writing only the elements that
-    changed and ORing a bit per such element into int32 ``words`` (bit ``e % 32`` of word
-    ``e // 32``: ``dst``'s element ``e``), on the current stream."""
-    as_int = _TORCH_INT[dst.element_size()]
-    n = dst.numel()
-    with _device_context(dst.device):
-        _marked_copy_kernel[(-(-n // MARK_COPY[0]),)](
-            dst.view(as_int), src.view(as_int), words, n, BLOCK=MARK_COPY[0],
-            num_warps=MARK_COPY[1],
-        )  # fmt: skip
 
 
 @triton.jit
@@ -1001,18 +883,6 @@ def _aligned_mode(mode: int, dims: list[tuple[int, int]], addr: int, old_at: int
     return mode
 
 
-def _words_aligned(mode: int, dims: list[tuple[int, int]], first: int, block: int) -> bool:
-    """Whether each tile of a route of ``mode`` (its region's collapsed ``dims``; its first
-    element at ``first`` in its storage) covers whole words of the storage's marks: its
-    elements one after the other, the first at a multiple of 32."""
-    if block % 32 or first % 32:
-        return False
-    if mode == CONTIG:
-        return True
-    (_, step), lead = dims[-1], dims[:-1]
-    return mode == ROWS and step == 1 and all(s % 32 == 0 for _, s in lead)
-
-
 def _compare_shape(mode: int) -> tuple[int, int]:
     """Tiles a program and warps of a compare launch in addressing mode ``mode``."""
     return (1, COMPARE[1]) if mode in _UNALIGNED else COMPARE
@@ -1075,13 +945,7 @@ class WindowTable:
     that do not merge).
     """
 
-    def __init__(
-        self,
-        routes: Sequence[tuple],
-        device: torch.device,
-        block: int = BLOCK,
-        marks: Sequence[tuple[int, int] | None] | None = None,
-    ) -> None:
+    def __init__(self, routes: Sequence[tuple], device: torch.device, block: int = BLOCK) -> None:
         self.device = torch.device(device)
         self.block = block
         self._whole = int(block * WHOLE_ABOVE)
@@ -1091,7 +955,7 @@ class WindowTable:
         """Per slot: whether the emit pass stores a masked frame's bitmask as whole words
         (every tile's first element at a multiple of 32), rather than ORing its bits into
         words that must start at zero."""
-        rows: list[tuple[tuple[int, int], int, list[int], int, bool]] = []
+        rows: list[tuple[tuple[int, int], int, list[int], int]] = []
         for slot, (new, _, isz, numel, scratch_at, old_at) in enumerate(routes):
             if numel == 0:
                 continue
@@ -1119,44 +983,21 @@ class WindowTable:
             # frame's), its first element at a multiple of 32: all but rows of other lengths
             words = int(mode != ROWS or ncols % 32 == 0)
             self.whole_words[slot] = bool(words)
-            # with marks whose words each tile starts at (its elements one after the other
-            # in the storage, the first at a multiple of 32): read by words (_marked_kernel)
-            m = None if marks is None else marks[slot]
-            by_words = m is not None and _words_aligned(mode, dims, m[1], block)
             mode = _aligned_mode(mode, dims, addr, old_at, numel)
             row = [addr, filled, old_at, 0, numel, tpr, slot, words, *_dims_row(dims)]
-            rows.append(((isz, mode), tiles, row, slot, by_words))
-        # stable: route order within a group; routes read by words first
-        rows.sort(key=lambda r: (r[0], not r[4]))
+            rows.append(((isz, mode), tiles, row, slot))
+        rows.sort(key=lambda r: r[0])  # stable: route order within a group
         self.groups: list[tuple[int, int, int, int]] = []
         """Per launch: (itemsize, mode, first tile, tiles)."""
-        self.marked_groups: list[tuple[int, int, bool, int, int]] = []
-        """Per launch of a marked pass: (itemsize, mode, whether by words, first tile,
-        tiles)."""
-        at = [None if marks is None else marks[slot] for _, _, _, slot, _ in rows]
-        self.marked = any(m is not None for m in at)
-        """Whether some route's new values have the trainer's marks (``marks``: per slot the
-        address of its storage's marks, int32 words, and the place of its first element
-        among them; None for a route without): :meth:`compare` may then read them instead
-        of comparing those routes."""
-        self._marks = torch.from_numpy(
-            np.array([m or (0, 0) for m in at] or [(0, 0)], np.int64)
-        ).to(self.device)
         table = np.zeros((max(len(rows), 1), _WF), np.int64)
         ends = np.zeros((2, self.slots), np.int64)
         owner = []
         tile = 0
-        for i, (key, tiles, row, slot, by_words) in enumerate(rows):
+        for i, (key, tiles, row, slot) in enumerate(rows):
             row[3] = tile
             table[i] = row
             ends[:, slot] = (tile, tile + tiles)
             owner.append(np.full(tiles, i, np.int32))
-            mkey = (*key, by_words)
-            if self.marked_groups and self.marked_groups[-1][:3] == mkey:
-                _, _, _, at0, n0 = self.marked_groups[-1]
-                self.marked_groups[-1] = (*mkey, at0, n0 + tiles)
-            else:
-                self.marked_groups.append((*mkey, tile, tiles))
             if self.groups and self.groups[-1][:2] == key:
                 isz, mode, first, n = self.groups[-1]
                 self.groups[-1] = (isz, mode, first, n + tiles)
@@ -1173,7 +1014,7 @@ class WindowTable:
         self.sampled = np.zeros(self.slots, np.int64)
         """Per slot: its elements in the tiles a :meth:`sample` compares."""
         taken = 0
-        for key, tiles, row, slot, _ in rows:
+        for key, tiles, row, slot in rows:
             numel, t0, tpr = row[4], row[3], row[5]
             mine = np.arange(0, tiles, SAMPLE)
             if key[1] in (ROWS, ALIGNED_ROWS):  # a row's last tile: what is left of the row
@@ -1219,7 +1060,7 @@ class WindowTable:
                                 self._owner, self._picks, self._routes, b, b, counts, bits,
                                 first, n, T=_INT[isz], MODE=m, UPDATE=bool(update),
                                 COUNT=bool(count), BLOCK=self.block, R=r, WHOLE=self._whole,
-                                PICK=pick, marks_ptr=self._marks, num_warps=warps, grid=(1,),
+                                PICK=pick, num_warps=warps, grid=(1,),
                             )  # fmt: skip
                 for steps in (True, False):
                     r, warps = EMIT_STEPS if steps else EMIT_LANES
@@ -1228,22 +1069,6 @@ class WindowTable:
                         T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
                         STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
                         SUB=min(LANES, self.block), num_warps=warps, grid=(1,),
-                    )  # fmt: skip
-            for isz, mode, by_words, first, n in self.marked_groups if self.marked else ():
-                mode = _unaligned(mode)
-                if by_words:
-                    _marked_kernel.warmup(
-                        self._owner, self._routes, self._marks, b, b, i, i, first,
-                        T=_INT[isz], ROWS_=mode == ROWS, BLOCK=self.block, WHOLE=self._whole,
-                        num_warps=MARKED_WORDS_WARPS, grid=(1,),
-                    )  # fmt: skip
-                else:
-                    r, warps = COMPARE_MARKED
-                    _compare_kernel.warmup(
-                        self._owner, self._picks, self._routes, b, b, i, i, first, n,
-                        T=_INT[isz], MODE=mode, UPDATE=False, COUNT=True, BLOCK=self.block,
-                        R=r, WHOLE=self._whole, PICK=False, marks_ptr=self._marks,
-                        MARKS=True, num_warps=warps, grid=(1,),
                     )  # fmt: skip
             _zero_kernel.warmup(q, b, CHUNK=ZERO_CHUNK, grid=(1,))
 
@@ -1254,17 +1079,13 @@ class WindowTable:
         update: bool,
         stream: torch.cuda.Stream | None = None,
         count: bool = False,
-        marked: bool = False,
     ):
         """Launch the compare pass (no waiting), on ``stream`` if given (its buffers are
         allocated on the current stream, which must wait for ``stream`` before using them;
         the counts are then summed and copied to the host there too, :meth:`_count_on`).
         ``update``: only bring the shadow up to date (every reader gets dense bytes),
         returning None (with ``count``, the state for :meth:`counts` alone); else return
-        the pass's state for :meth:`counts` and :meth:`emit`. ``marked`` (not with
-        ``update``): the changed elements of routes with marks are the marked ones."""
-        if marked and update:
-            raise ValueError("a marked pass writes counts and a bitmask (not with update)")
+        the pass's state for :meth:`counts` and :meth:`emit`."""
         if not self.tiles:
             return None if update and not count else (None, None, None)
         scratch = work if scratch is None else scratch
@@ -1275,20 +1096,9 @@ class WindowTable:
             bits = torch.empty(
                 self.tiles * (self.block // 32), dtype=torch.int32, device=self.device
             )
-        if marked:
-            self._launch_marked(work, scratch, counts, bits, stream)
-        else:
-            self._launch_compare(
-                self.groups,
-                work,
-                scratch,
-                counts,
-                bits,
-                update,
-                count or not update,
-                False,
-                stream,
-            )
+        self._launch_compare(
+            self.groups, work, scratch, counts, bits, update, count or not update, False, stream
+        )
         if update and not count:
             return None
         ready = self._count_on(counts, stream) if stream is not None else None
@@ -1327,30 +1137,7 @@ class WindowTable:
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._picks, self._routes, work, scratch, counts, bits,
                     first, n, T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count,
-                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick,
-                    marks_ptr=self._marks, num_warps=warps,
-                )  # fmt: skip
-
-    def _launch_marked(self, work, scratch, counts, bits, stream) -> None:
-        """The marked pass's launches (:attr:`marked_groups`), on ``stream`` if given: routes
-        read by words, then the others element by element (compared where without marks)."""
-        on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with _device_context(self.device), on:
-            for isz, mode, by_words, first, n in self.marked_groups:
-                mode = _unaligned(mode)
-                if by_words:
-                    _marked_kernel[(n,)](
-                        self._owner, self._routes, self._marks, work, scratch, counts, bits,
-                        first, T=_INT[isz], ROWS_=mode == ROWS, BLOCK=self.block,
-                        WHOLE=self._whole, num_warps=MARKED_WORDS_WARPS,
-                    )  # fmt: skip
-                    continue
-                r, warps = COMPARE_MARKED
-                _compare_kernel[(-(-n // r),)](
-                    self._owner, self._picks, self._routes, work, scratch, counts, bits,
-                    first, n, T=_INT[isz], MODE=mode, UPDATE=False, COUNT=True,
-                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=False,
-                    marks_ptr=self._marks, MARKS=True, num_warps=warps,
+                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick, num_warps=warps,
                 )  # fmt: skip
 
     def sample(self, work: torch.Tensor, stream: torch.cuda.Stream | None = None):

@@ -123,7 +123,6 @@ import numpy as np
 import torch
 
 from weightbus._trace import mark
-from weightbus.codecs.marks import ChangeMarks, flags_of, storage_span
 from weightbus.errors import WeightbusError
 from weightbus.plan.program import BucketOp, pack
 
@@ -234,14 +233,6 @@ class DeltaConfig:
     first GPU event (analyzing its first two windows), while the link waited. Writer-side
     only (readers follow the announcement where every group has a room of their own, else
     read directories first)."""
-
-    change_marks: bool = False
-    """Whether the trainer marks the elements it changes (``Writer.change_marks``, a
-    :class:`~weightbus.codecs.marks.ChangeMarks`: ``marks.copy_(param, master)`` in place of
-    ``param.copy_(master)``), so that the writer reads the marks and the marked elements
-    instead of comparing every byte with the bytes it sent last time. Marks must cover every
-    change: a change not marked reaches readers only at the next sync with a checksum
-    (:attr:`checksum_every`), which compares every byte. Writer-side only."""
 
     def __post_init__(self) -> None:
         f = self.max_changed_fraction
@@ -692,20 +683,9 @@ class _TorchWindow:
     :class:`weightbus.codecs._delta_triton.WindowTable`.
     """
 
-    def __init__(
-        self,
-        routes: Sequence[tuple],
-        device: torch.device,
-        marks: Sequence[tuple[torch.Tensor, int] | None] | None = None,
-    ) -> None:
+    def __init__(self, routes: Sequence[tuple], device: torch.device) -> None:
         self.routes = routes
         self.device = device
-        self.marks = marks
-        self.marked = marks is not None and any(
-            m is not None for m, r in zip(marks, routes, strict=True) if r[3]
-        )
-        """Whether some route has the trainer's marks (per slot: its storage's words and its
-        first element's place among them, or None): :meth:`compare` may read them."""
         numel = np.array([r[3] for r in routes], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(numel)])
         """Where each slot's elements start in the window's mask."""
@@ -735,31 +715,15 @@ class _TorchWindow:
         return self._pairs
 
     def compare(
-        self,
-        work: torch.Tensor,
-        scratch: torch.Tensor | None,
-        update: bool,
-        count: bool = False,
-        marked: bool = False,
+        self, work: torch.Tensor, scratch: torch.Tensor | None, update: bool, count: bool = False
     ):
         pairs = self._views(work, scratch)
         mask = None
         if count or not update:
             mask = torch.empty(int(self.starts[-1]), dtype=torch.bool, device=self.device)
-            for k, ((new, old), start) in enumerate(
-                zip(pairs, self.starts[:-1].tolist(), strict=True)
-            ):
-                if not new.numel():
-                    continue
-                out = mask[start : start + new.numel()].view(new.shape)
-                at = self.marks[k] if marked and self.marks is not None else None
-                if at is not None:
-                    words = at[0]
-                    lo, hi = storage_span(new)
-                    flags = flags_of(words, lo, hi)  # (a view: as_strided from where it starts)
-                    out.copy_(flags.as_strided(new.shape, new.stride(), flags.storage_offset()))
-                else:
-                    torch.ne(new, old, out=out)
+            for (new, old), start in zip(pairs, self.starts[:-1].tolist(), strict=True):
+                if new.numel():
+                    torch.ne(new, old, out=mask[start : start + new.numel()].view(new.shape))
         if update:
             for new, old in pairs:
                 old.copy_(new)
@@ -916,15 +880,9 @@ class DeltaEncoder:
         device: torch.device | str = "cpu",
         name: str = "writer",
         impl: str = "auto",
-        marks: ChangeMarks | None = None,
     ) -> None:
         self.config = config
         self.name = name
-        self.marks = marks
-        """The trainer's marks of what changed (:attr:`DeltaConfig.change_marks`): a window
-        whose routes all have them reads them instead of comparing, but in syncs with a
-        checksum and where some storage moved (:attr:`ChangeMarks.stale`); cleared at
-        :meth:`end`."""
         self.device = torch.device(device)
         self._kernels = _kernels(impl, self.device, name)
         self._fill = fill
@@ -1095,8 +1053,6 @@ class DeltaEncoder:
         if self._side is not None:
             # what the current stream does next comes after any compare pass still running
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-        if self.marks is not None:
-            self.marks.clear()  # (after the passes that read them: the current stream waited)
         for w, (state, sampled) in self._tally.items():
             lay = self._layouts[w]
             assert lay is not None
@@ -1445,18 +1401,10 @@ class DeltaEncoder:
         # each route's directory entry among the 16-byte records of the window's directories
         first = np.repeat(meta_at + _HEAD.size, per_bucket)
         within = np.concatenate([np.arange(n) for n in per_bucket])
-        located = None
-        if self.marks is not None:
-            located = [None if r[0] is None else self.marks.locate(r[0]) for r in routes]
         table = None
         if self._kernels is not None:
-            marks_at = None
-            if located is not None:
-                marks_at = [None if m is None else (m[0].data_ptr(), m[1]) for m in located]
             try:
-                table = self._kernels.WindowTable(
-                    routes, self.device, self._kernels.BLOCK, marks_at
-                )
+                table = self._kernels.WindowTable(routes, self.device, self._kernels.BLOCK)
             except ValueError as exc:
                 logger.warning(
                     "%s: torch ops per route for buckets %d to %d: %s",
@@ -1486,7 +1434,7 @@ class DeltaEncoder:
             bucket_bytes=np.array([bk.op.nbytes for bk in bks], np.int64),
             order=np.argsort([bk.base for bk in bks], kind="stable"),
             template=b"".join(bk.template for bk in bks),
-            table=table if table is not None else _TorchWindow(routes, self.device, located),
+            table=table if table is not None else _TorchWindow(routes, self.device),
             copies=_byte_runs(routes) if table is not None else None,
             pieces=pieces,
             all_pieces=bool(pieces) and all(src is not None for src in pieces.values()),
@@ -1527,38 +1475,19 @@ class DeltaEncoder:
         if win.dense and lay.copies is not None and side is not None:
             self._copy(w, win)
             return
-        marked = self._marked(win)
         if side is None:
-            win.state = lay.table.compare(
-                win.work, win.scratch, win.dense, count=guess, marked=marked
-            )
+            win.state = lay.table.compare(win.work, win.scratch, win.dense, count=guess)
         else:
             # after everything queued so far (the weights' update, the fills), on its own
             # stream
             side.wait_stream(torch.cuda.current_stream(self.device))
             win.state = lay.table.compare(
-                win.work, win.scratch, win.dense, stream=side, count=guess, marked=marked
+                win.work, win.scratch, win.dense, stream=side, count=guess
             )
             win.event = torch.cuda.Event()
             win.event.record(side)
         if guess:
             self._tally[w] = (win.state, False)
-
-    def _marked(self, win: _Window) -> bool:
-        """Whether window ``win``'s pass reads the trainer's marks instead of comparing (its
-        routes that have them; computed ones are compared): it is analyzed from its counts
-        (not dense, not on a guess), some route of it has marks, none of them started over
-        (:attr:`ChangeMarks.stale`), and the sync carries no checksum (which then holds
-        for every byte: a sync with one compares them all)."""
-        decision = self._decision
-        return (
-            self.marks is not None
-            and not self.marks.stale
-            and win.lay.table.marked
-            and not (win.dense or win.guess)
-            and decision is not None
-            and not decision.checksum
-        )
 
     def _copy(self, w: int, win: _Window) -> None:
         """Bring the shadow of window ``w``, sent dense, up to date by copies of the live bytes

@@ -67,7 +67,6 @@ from weightbus.codecs.fp8 import (
     WriterScales,
     quantized_layout,
 )
-from weightbus.codecs.marks import ChangeMarks
 from weightbus.errors import WeightbusError
 from weightbus.plan.planner import PlanOptions, TransferPlan
 from weightbus.plan.program import BucketCopier, BucketOp, build_program, direct_view
@@ -282,11 +281,8 @@ class WriterCodec:
         codecs: CodecConfig,
         *,
         amax_reduce: AmaxReduce | None = None,
-        marks: ChangeMarks | None = None,
     ) -> None:
         self.plan, self.index, self.codecs = plan, index, codecs
-        self.marks = marks
-        """Deltas: the trainer's marks of what changed (``DeltaConfig.change_marks``)."""
         self.name = plan.writers[index].name
         self.ops = build_program(plan, "writer", index)
         self.live = dict(tensors)
@@ -327,7 +323,6 @@ class WriterCodec:
                 views=lambda op: self._packers[op.bucket].views,
                 device=device,
                 name=self.name,
-                marks=marks,
             )
             self.policy = DeltaPolicy(codecs.delta, len(plan.readers))
         self._decision: DeltaDecision | None = None
@@ -370,8 +365,6 @@ class WriterCodec:
                 self.name,
             )
             self._prepare()
-            if self.marks is not None:
-                self.marks.bind()  # (a moved storage's marks start over: compared next sync)
 
     # -- connect-time facts ------------------------------------------------------------------
 
