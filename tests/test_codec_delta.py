@@ -806,7 +806,9 @@ def test_the_next_groups_directories_go_ahead_when_ready_without_the_device(monk
     analyzed in the same pass, or of a window sent dense (first sync, or a window whose
     routes all went dense last time). run_sync checks that the reader expects what the writer
     sends and that the directories sent ahead equal the group's."""
-    codecs = CodecConfig(delta=DeltaConfig(checksum_every=0, window_bytes=3000))
+    # two windows a pass (one is the default): next groups in the same pass and in the next
+    delta = DeltaConfig(checksum_every=0, window_bytes=3000, windows_per_pass=2)
+    codecs = CodecConfig(delta=delta)
     plan, ws, rs, canon, live, got, wcs, rcs = start(codecs)
     went: list = []
     real = WriterCodec.ahead

@@ -1163,7 +1163,7 @@ def test_staging_that_does_not_fit_names_its_size_and_the_fix(monkeypatch):
     size among them where FP8 is on)."""
     from weightbus import WeightbusError
     from weightbus import _session as session
-    from weightbus.codecs import Fp8Config
+    from weightbus.codecs import DeltaConfig, Fp8Config
     from weightbus.plan.codec_plan import CodecConfig
 
     real = torch.empty
@@ -1187,6 +1187,14 @@ def test_staging_that_does_not_fit_names_its_size_and_the_fix(monkeypatch):
     assert "at least 512 MiB" in msg and isinstance(err.value.__cause__, torch.OutOfMemoryError)
     with pytest.raises(WeightbusError, match=r"bucket_bytes, on every participant"):
         session._staging_buffers("reader-0", 2, 64 << 20, cpu, CodecConfig())
+    # deltas stage a window's group to one peer whole: the window's size is the fix there
+    with pytest.raises(WeightbusError) as err:
+        session._staging_buffers(
+            "reader-0", 2, 2 << 30, cpu, CodecConfig(delta=DeltaConfig(window_bytes=2 << 30))
+        )
+    msg = str(err.value)
+    assert "reader-0: 2 staging buffers of 2048.0 MiB (4.00 GiB) do not fit" in msg
+    assert "or DeltaConfig.window_bytes (2048 MiB: a window's buckets to one peer" in msg
 
 
 def test_fp8_reader_must_bind_fp8_tensors():

@@ -985,16 +985,21 @@ def _staging_buffers(
         free = ""
         if device.type == "cuda":
             free = f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.2f} GiB free on {device})"
-        fp8 = (
+        knobs = (
             ", Fp8Config.bucket_bytes (0: SyncConfig.bucket_bytes; FP8 buckets are at least "
             f"{codecs.fp8.bucket_bytes >> 20} MiB) or Fp8Config.ahead"
             if codecs.fp8 is not None
             else ""
         )
+        if codecs.delta is not None:  # (a window's group to one peer is staged whole)
+            knobs += (
+                f", or DeltaConfig.window_bytes ({codecs.delta.window_bytes / 2**20:.0f} MiB: "
+                "a window's buckets to one peer are staged together)"
+            )
         raise WeightbusError(
             f"{name}: {n} staging buffers of {nbytes / 2**20:.1f} MiB "
             f"({n * nbytes / 2**30:.2f} GiB) do not fit{free}: lower "
-            f"SyncConfig.staging_buffers or bucket_bytes{fp8}, on every participant"
+            f"SyncConfig.staging_buffers or bucket_bytes{knobs}, on every participant"
         ) from exc
 
 
