@@ -203,16 +203,16 @@ class DeltaConfig:
     frames: one round trip per window and reader), so readers must use the same value: it is
     part of the codecs both sides agree on. Each side stages two such groups (one per peer
     where there are more, at most ``SyncConfig.staging_buffers``), each at its dense size:
-    with the default 4 GiB of staging on a writer and on a reader of one writer, up to 8 GiB
-    on a reader fed by four writers or more; half that with 1 GiB windows (two a pass, the
+    with the default 4 GiB on each side of one writer and one reader, up to 8 GiB on a
+    participant with four peers or more; half that with 1 GiB windows (two a pass, the
     defaults before), where memory is short. Each group costs both hosts a fixed amount of
     work (a reader about 1 ms: its directories' copy and parse, the apply launches), which
     bounds a sync where few elements changed: on two H200s (Llama-3-8B, 16 GB; two rounds of
     10 timed syncs each, in one run) 2 GiB windows synced 1% changed in 19.1 and 20.4 ms
     against 30.9 and 35.8 with 1 GiB windows two to a pass, and 50% changed in 42.5 and 42.7
     ms against 45.5 and 45.3 (S1 over NCCL 46.2-46.7 ms); 4 GiB windows took 20.4 and 19.8
-    ms at 1%, 46.7 and 46.4 at 50% (their first pass, before any byte leaves, reads twice as
-    much)."""
+    ms at 1%, 46.7 and 46.4 at 50% (their first pass, before any byte leaves, is twice as
+    long)."""
     windows_per_pass: int = 1
     """The writer analyzes this many consecutive windows at once: one compare and one emit
     pass, and one host wait, for all of them (its scratch grows accordingly). Its host work
