@@ -805,6 +805,10 @@ class _Layout:
     index_size: np.ndarray
     """Per route: the bytes of each index of its sparse frame (4, or 8 from :data:`_WIDE`
     elements)."""
+    mask_written: np.ndarray
+    """Per route: the bytes of its masked frame's bitmask that the Triton emit pass writes
+    whole (whole words, where the table stores them so: ``WindowTable.whole_words``); 0
+    where it ORs bits into words that start at zero, or on the torch path (:meth:`_store`)."""
     meta_at: np.ndarray
     """Per bucket: where its header and directory start among the window's."""
     records: np.ndarray
@@ -1441,6 +1445,11 @@ class DeltaEncoder:
             nbytes=isz * numel,
             mask_bytes=mask_bytes(numel),
             index_size=np.where(numel < _WIDE, 4, 8),
+            mask_written=(
+                np.where(table.whole_words, 4 * -(-numel // 32), 0)
+                if table is not None
+                else np.zeros(len(numel), np.int64)
+            ),
             meta_at=meta_at,
             records=(first + _ENT.size * within) // _ENT.size,
             offset=np.array([c.offset for bk in bks for c in bk.op.copies], np.int64),
@@ -1719,10 +1728,9 @@ class DeltaEncoder:
         delta = (kind == _SPARSE_FRAME) | (kind == _MASK_FRAME)
         # what the emit pass writes of each route's frame: a dense frame whole; a delta
         # frame's indices, or its bitmask where stored as whole words; its values
-        words = (kind == _MASK_FRAME) & table.whole_words
         head = np.select(
-            [kind == _DENSE_FRAME, kind == _SPARSE_FRAME, words],
-            [lay.nbytes, counts * ix, 4 * -(-lay.numel // 32)],
+            [kind == _DENSE_FRAME, kind == _SPARSE_FRAME, kind == _MASK_FRAME],
+            [lay.nbytes, counts * ix, lay.mask_written],
             0,
         )
         starts = np.concatenate([frame, values[delta]])
