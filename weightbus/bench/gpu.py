@@ -380,6 +380,7 @@ def _scenario_codecs(
     fp8_bucket_mb: int | None = None,
     window_mb: int | None = None,
     windows_per_pass: int | None = None,
+    compare_ahead: int | None = None,
     pieces: bool | None = None,
     announce: bool | None = None,
     masks: bool | None = None,
@@ -387,7 +388,8 @@ def _scenario_codecs(
     """SyncConfig codec fields of a scenario: S6 FP8 (``fp8_ahead`` buckets per reader sent
     ahead of the check, buckets of at least ``fp8_bucket_mb`` MiB, 0 meaning ``--bucket-mb``;
     defaults Fp8Config's), S7 deltas (checksums only on request; windows of ``window_mb``
-    MiB, ``windows_per_pass`` of them compared at once, defaults DeltaConfig's; ``pieces``:
+    MiB, ``windows_per_pass`` of them compared at once, ``compare_ahead`` passes compared
+    ahead, defaults DeltaConfig's; ``pieces``:
     groups of plain buckets as pieces, :attr:`DeltaConfig.pieces`, ``announce``,
     :attr:`DeltaConfig.announce`, and ``masks``, :attr:`DeltaConfig.masks`; None: their
     defaults)."""
@@ -402,6 +404,8 @@ def _scenario_codecs(
         window = {} if window_mb is None else {"window_bytes": window_mb << 20}
         if windows_per_pass is not None:
             window["windows_per_pass"] = windows_per_pass
+        if compare_ahead is not None:
+            window["compare_ahead"] = compare_ahead
         if pieces is not None:
             window["pieces"] = pieces
         if announce is not None:
@@ -421,6 +425,7 @@ def _codec_flags(a) -> dict:
         "fp8_bucket_mb": a.fp8_bucket_mb,
         "window_mb": a.window_mb,
         "windows_per_pass": a.windows_per_pass,
+        "compare_ahead": a.compare_ahead,
         "pieces": a.pieces,
         "announce": a.announce,
         "masks": a.masks,
@@ -691,7 +696,7 @@ def _check_settings(p: argparse.ArgumentParser, var: _Variant) -> None:
         p.error(f"{where}--changed {a.changed}: a fraction of the elements, in [0, 1]")
     for flags, scenario in (
         ("--fp8-block / --fp8-ahead / --fp8-bucket-mb", "S6"),
-        ("--window-mb / --windows-per-pass", "S7"),
+        ("--window-mb / --windows-per-pass / --compare-ahead", "S7"),
     ):
         try:
             _scenario_codecs(scenario, **_codec_flags(a))
@@ -851,6 +856,7 @@ def _run_spec(
         delta = _scenario_codecs("S7", **_codec_flags(a))["delta"]
         entry["window_mb"] = delta.window_bytes >> 20
         entry["windows_per_pass"] = delta.windows_per_pass
+        entry["compare_ahead"] = delta.compare_ahead
         entry["pieces"] = delta.pieces
         entry["announce"] = delta.announce
         entry["masks"] = delta.masks
@@ -930,6 +936,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="S7: windows the delta writer compares at once (default: DeltaConfig's)",
+    )
+    p.add_argument(
+        "--compare-ahead",
+        type=int,
+        default=None,
+        help="S7: passes whose compare the delta writer may queue ahead of the one it waits "
+        "for (default: DeltaConfig's)",
     )
     p.add_argument(
         "--pieces",

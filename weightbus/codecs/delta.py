@@ -222,6 +222,12 @@ class DeltaConfig:
     done. Four 1 GiB windows a pass did not help (S7 at 1% on two H200s: 34.9 and 37.6 ms
     against 34.1 and 34.0 with two): the per-group work, not the per-pass work, bounds
     it. Writer-side only."""
+    compare_ahead: int = 2
+    """How many passes after the one the writer waits for may have their compare passes
+    queued already (on the Triton path with the shadow on the device; else one): the device
+    then runs them back to back while the host lays out frames and posts sends. Each holds
+    its bitmask until its emit pass (a bit per element: 128 MiB per 2 GiB of bf16).
+    Writer-side only."""
     pieces: bool = True
     """Whether a group of plain buckets (every route dense: a dense sync, or a window that
     changed enough) whose routes are all live regions travels as its pieces
@@ -259,6 +265,8 @@ class DeltaConfig:
             raise ValueError(f"shadow={self.shadow!r} must be one of {_SHADOWS}")
         if self.windows_per_pass < 1:
             raise ValueError(f"windows_per_pass={self.windows_per_pass} must be >= 1")
+        if self.compare_ahead < 1:
+            raise ValueError(f"compare_ahead={self.compare_ahead} must be >= 1")
         if self.window_bytes < 1:
             raise ValueError(
                 f"window_bytes={self.window_bytes} must be >= 1 (e.g. 2 << 30; a window holds "
@@ -1560,19 +1568,14 @@ class DeltaEncoder:
         # a dense window's directories need no counts: its pass is waited for once its
         # buckets are packed (:meth:`_ready`), not before this one's are sent
         defer = win.dense and self._local and not decision.checksum
+        if not win.dense:
+            self._compare_ahead(w, decision)
         if win.event is not None and not defer:
             torch.cuda.current_stream(self.device).wait_event(win.event)
             win.event = None
         counts = np.zeros(len(lay.numel), np.int64)
         if not win.dense:
             counts, win.state = lay.table.counts(win.state)
-        # the next window's compare pass runs beside this one's emit pass; after a window
-        # sent dense (no emit pass), it waits until the window's sends are queued: a compare
-        # grid queued first would hold them back until its last tiles started (measured on
-        # two GPUs at 50% changed, the first send waited for two passes)
-        ahead = self._windows[w + 1] if w + 1 < len(self._windows) and not win.dense else ()
-        if ahead and w + 1 not in self._open and ahead[0].op.bucket not in self._done:
-            self._open[w + 1] = self._compare(w + 1, decision)
         dense_peer = np.array([bk.op.peer in decision.dense for bk in lay.bks], bool)
         if win.dense:
             kind = np.full(len(lay.numel), DENSE, np.int64)
@@ -1616,6 +1619,29 @@ class DeltaEncoder:
                 )
             group = torch.from_numpy(joined)
             self._directories[first] = group.pin_memory() if self.device.type == "cuda" else group
+
+    def _compare_ahead(self, w: int, decision: DeltaDecision) -> None:
+        """Before the host waits for the counts of window ``w`` (analyzed from them), queue
+        the compare passes of the next windows, up to :attr:`DeltaConfig.compare_ahead`, so
+        that the device runs them back to back while the host lays out frames, launches
+        emit passes and posts sends. The next window's pass is always queued (it then runs
+        beside this one's emit pass); those after it only on the Triton path with the
+        shadow on the device, while they go sparse (a pass sent dense brings the shadow up
+        to date once its sends are queued: :meth:`queued`) and need no scratch. After a
+        window sent dense (no emit pass), none is: a compare grid queued before its sends
+        would hold them back until its last tiles started (measured on two GPUs at 50%
+        changed, the first send waited for two passes)."""
+        far = self.config.compare_ahead if self._side is not None and self._local else 1
+        for k in range(w + 1, min(w + 1 + far, len(self._windows))):
+            if self._windows[k][0].op.bucket in self._done:
+                return
+            if k > w + 1:
+                if self._goes_dense(k, decision)[0] or self._layout_of(k).scratch_bytes:
+                    return
+            if k not in self._open:
+                self._open[k] = self._compare(k, decision)
+            elif not self._open[k].launched:
+                return  # (opened for directories that went ahead: launched by its turn)
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
         """Per route: its frame's kind (DENSE, SPARSE or MASKED), the smallest on the wire
