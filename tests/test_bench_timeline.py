@@ -214,3 +214,13 @@ def test_the_bench_prints_the_steps_of_the_median_and_the_slowest_sync():
     assert text.count("writer-0") == 2 and text.count("reader-0") == 2
     assert host_steps_text({("writer-0", 0): {}}, [0.05]) == ""
     assert host_steps_text(res, []) == ""
+
+
+def test_results_files_are_named_by_the_gpu_model_not_its_memory():
+    from weightbus.bench import machine_kind
+
+    assert machine_kind(2, "NVIDIA H100 80GB HBM3") == "2xh100"
+    assert machine_kind(4, "NVIDIA H200") == "4xh200"
+    assert machine_kind(1, "NVIDIA A100-SXM4-80GB") == "1xa100"
+    assert machine_kind(1, "NVIDIA GeForce RTX 4090") == "1x4090"
+    assert machine_kind(8, "NVIDIA L40S") == "8xl40s"

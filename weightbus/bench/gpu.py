@@ -54,6 +54,8 @@ import traceback
 import zlib
 from pathlib import Path
 
+from weightbus.bench import machine_kind
+
 SCENARIOS = {
     # name: (writer description, reader description, GPUs, target, what the target compares)
     "S1": (
@@ -1092,7 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     date = dt.date.today().isoformat()
-    kind = a.kind or f"{n_gpu}x{name.split()[-1].lower()}"
+    kind = a.kind or machine_kind(n_gpu, name)
     result = {
         "date": date,
         "machine": f"{n_gpu}x {name}",

@@ -47,6 +47,8 @@ import traceback
 import zlib
 from pathlib import Path
 
+from weightbus.bench import machine_kind
+
 CE_NOTED_GBPS = 33.8  # checkpoint-engine 0.4.2 per GPU on 4 x H200, from the design notes
 READERS = "vllm:tp=1,dp={gpus}"
 
@@ -555,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     del server
     name = torch.cuda.get_device_name(0)
     date = dt.date.today().isoformat()
-    kind = a.kind or f"{n_gpu}x{name.split()[-1].lower()}"
+    kind = a.kind or machine_kind(n_gpu, name)
     result = {
         "date": date,
         "machine": f"{n_gpu}x {name}",
