@@ -109,6 +109,7 @@ regions against it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -613,6 +614,9 @@ Views = Callable[[BucketOp], Sequence[torch.Tensor] | None]
 in the wire dtype, of ``copy.shape``), or None when some route is computed (FP8, a cast), so
 the bucket is filled into scratch first. The same tuple object while the views stay valid."""
 
+EMIT_PRIORITY = int(os.environ.get("WEIGHTBUS_DELTA_EMIT_PRIORITY", "0"))
+"""The CUDA stream priority of a writer's emit passes (lower is more urgent); 0: they run on
+the current stream (:meth:`DeltaEncoder._emitting`)."""
 _IMPLS = ("auto", "torch", "triton")
 TRITON_ENV = "WEIGHTBUS_DELTA_TRITON"
 """Set to 0 for torch ops on CUDA under ``impl="auto"`` (default there: the Triton kernels)."""
@@ -963,6 +967,12 @@ class DeltaEncoder:
         beside the previous window's emit pass (one is bound by memory, the other by
         compute). On an H200 with 1 GiB windows they hardly overlap: the compare grid fills
         the GPU."""
+        self._emit_stream = (
+            torch.cuda.Stream(self.device, priority=EMIT_PRIORITY)
+            if cuda and EMIT_PRIORITY
+            else None
+        )
+        """On CUDA with :data:`EMIT_PRIORITY`: the emit passes' stream (:meth:`_emitting`)."""
         self._layouts: list[_Layout | None] = [None] * len(self._windows)
         for w in range(len(self._windows)):
             self._layout_of(w).table.warm()  # the tables and their kernels, at connect
@@ -1585,9 +1595,10 @@ class DeltaEncoder:
                 self._dense.add(w)  # every route went dense: so will the next sync, likely
             else:
                 self._dense.discard(w)
-        plan = self._plan(win, decision, counts, kind)
-        if not win.dense:
-            lay.table.emit(win.state, win.work, win.scratch, plan, win.store, int(counts.sum()))
+        with self._emitting(not win.dense):
+            plan = self._plan(win, decision, counts, kind)
+            if not win.dense:
+                lay.table.emit(win.state, win.work, win.scratch, plan, win.store, int(counts.sum()))
         if not self._local:
             # a host shadow: take the window's new bytes back before anything reads them
             self.shadow[lay.base : lay.end].copy_(win.work)
@@ -1642,6 +1653,25 @@ class DeltaEncoder:
                 self._open[k] = self._compare(k, decision)
             elif not self._open[k].launched:
                 return  # (opened for directories that went ahead: launched by its turn)
+
+    @contextlib.contextmanager
+    def _emitting(self, on: bool):
+        """Where ``on`` and :data:`EMIT_PRIORITY` is set: what is queued inside (the window's
+        store, its zeros and its emit pass) goes on the encoder's stream of that priority,
+        after what the current stream holds, and the current stream waits for it. Compare
+        passes queued ahead (:meth:`_compare_ahead`) fill the GPU; an emit pass queued
+        behind them on a stream of the same priority started only once their last tiles
+        had (a profile on two H100s: the first window's emit pass after the next two
+        compare passes)."""
+        e = self._emit_stream
+        if not on or e is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        e.wait_stream(current)
+        with torch.cuda.stream(e):
+            yield
+        current.wait_stream(e)
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
         """Per route: its frame's kind (DENSE, SPARSE or MASKED), the smallest on the wire
