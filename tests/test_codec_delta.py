@@ -1151,6 +1151,8 @@ def test_policy_rules():
         DeltaConfig(shadow="disk")
     with pytest.raises(ValueError, match="window_bytes"):
         DeltaConfig(window_bytes=0)
+    with pytest.raises(ValueError, match="compare_ahead"):
+        DeltaConfig(compare_ahead=0)
 
 
 def test_checksum_is_position_dependent():
