@@ -815,3 +815,78 @@ def test_check_choice_forms():
         "cross_host": "rdma",
     }
     assert check_choice({"same_gpu": "auto"}) == {"same_gpu": "auto"}
+
+
+@base.register_transport
+class _StagedGloo(transport_class("gloo")):
+    """gloo whose sends, as those of a transport that registers memory, read only the buffers
+    registered and the live tensors."""
+
+    name = "test-links-staged"
+    priority = -1
+    sends_any_buffer = False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("other", ["test-links-other", "test-links-staged"])
+def test_a_delta_writer_sends_frames_where_they_lie_where_every_link_it_sends_over_can(
+    store, other
+):
+    """A writer of a job of two transports (one per link) sends its delta frames from the
+    stores its encoder wrote them into only where both send from any buffer; where one does
+    not, it copies them into its staging buffers. Either way every sync is bit exact."""
+    from weightbus import DeltaConfig, Reader, Writer
+    from weightbus.layouts.families import model_spec
+    from weightbus.plan import fill_from_canonical
+
+    model = model_spec(MODEL)
+    n_w, n_r, syncs = 1, 2, 3
+    job = f"stores-{uuid.uuid4().hex[:6]}"
+    elsewhere = f"{this_process()}-elsewhere"
+
+    def configs():
+        from tests.test_faults_membership import configs
+
+        return configs(
+            store.port,
+            n_w,
+            n_r,
+            job,
+            transport={"cpu_same_process": other, "cpu_same_host": "gloo"},
+            delta=DeltaConfig(checksum_every=2),
+            sync_timeout=timedelta(seconds=15),
+        )
+
+    def writer():
+        bound = _writer(model, 0, n_w)
+        with Writer(bound, *configs()) as w:
+            for v in range(1, syncs + 1):
+                fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
+                w.sync(v)
+            assert w.codec is not None and w.codec.encoder is not None
+            return type(w.transport).__name__, w.codec.encoder.sends_stores
+
+    def reader(rank, process):
+        def body():
+            bound = _reader(model, rank, process)
+            with Reader(bound, *configs()) as r:
+                offs = []
+                for _ in range(syncs):
+                    _poison(r)
+                    res = r.wait()
+                    offs.append(_off(bound.layout, r.live, model, res.version))
+                return offs
+
+        return body
+
+    out = run_threads(
+        {
+            "writer-0": writer,
+            "reader-0": reader(0, elsewhere),  # another process: cpu_same_host, gloo
+            "reader-1": reader(1, None),  # this process: cpu_same_process, ``other``
+        }
+    )
+    for name, got in out.items():
+        assert not isinstance(got, BaseException), (name, got)
+    assert out["writer-0"] == ("LinksTransport", other == "test-links-other")
+    assert out["reader-0"] == out["reader-1"] == [0] * syncs

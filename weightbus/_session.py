@@ -415,7 +415,7 @@ class _Session:
             )
         self.transport.register(self._staging + ([area] if starts else []) + extra + [self._passed])
         if self.codec is not None and self.role == "writer":
-            self.codec.send_from_stores(type(self.transport).sends_any_buffer)
+            self.codec.send_from_stores(self.transport.sends_anywhere())
         tensors = self.codec.tensors if self.codec is not None else self.bound.tensors
         self.transport.expose(
             Program(self.ops, tensors, tuple(self.direct), ready_order=self.ready_order)

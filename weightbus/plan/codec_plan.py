@@ -412,7 +412,7 @@ class WriterCodec:
     def send_from_stores(self, ok: bool) -> None:
         """Deltas: whether a group's frames may leave from where the encoder computed them
         (``ok``: the transport sends from any memory of its device,
-        :attr:`~weightbus.transports.base.Transport.sends_any_buffer`), not copied into the
+        :meth:`~weightbus.transports.base.Transport.sends_anywhere`), not copied into the
         staging buffer first (:attr:`~weightbus.codecs.delta.DeltaEncoder.sends_stores`)."""
         if self.encoder is not None:
             self.encoder.sends_stores = ok

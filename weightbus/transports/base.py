@@ -193,6 +193,12 @@ class Transport:
     until done: a writer's codec then sends what it computed where it lies, without a copy
     into a staging buffer."""
 
+    def sends_anywhere(self) -> bool:
+        """Whether this participant's sends may read any tensor (:attr:`sends_any_buffer`),
+        once connected: a transport of several (one per link) says so where every transport
+        it sends through does."""
+        return self.sends_any_buffer
+
     def __init__(self, timeout: timedelta | None = None) -> None:
         self.timeout = timeout
         self.control: ControlPlane | None = None

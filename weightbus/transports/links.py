@@ -735,6 +735,14 @@ class LinksTransport(Transport):
             direct = tuple(program.direct[i] for i in keep)
             sub.expose(Program(ops, program.tensors, direct, ready_order=program.ready_order))
 
+    def sends_anywhere(self) -> bool:
+        """Where every transport this participant sends through (its links' that do not
+        pull) sends from any buffer: a writer whose links all go over NCCL or gloo sends a
+        codec's frames where they lie, though other participants of the job pull."""
+        self._require_connected()
+        senders = [sub for sub in self._subs.values() if not sub.pulls]
+        return bool(senders) and all(sub.sends_anywhere() for sub in senders)
+
     def _register(self, buffers: list[torch.Tensor]) -> None:
         for sub in self._subs.values():
             sub.register([] if sub.pulls else buffers)
