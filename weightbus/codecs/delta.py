@@ -1677,9 +1677,12 @@ class DeltaEncoder:
             return
         current = torch.cuda.current_stream(self.device)
         e.wait_stream(current)
-        with torch.cuda.stream(e):
-            yield
-        current.wait_stream(e)
+        try:
+            with torch.cuda.stream(e):
+                yield
+        finally:
+            # (also on an error: what it allocated may be freed and taken again at once)
+            current.wait_stream(e)
 
     def _choose(self, lay: _Layout, counts: np.ndarray) -> np.ndarray:
         """Per route: its frame's kind (DENSE, SPARSE or MASKED), the smallest on the wire
