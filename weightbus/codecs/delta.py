@@ -1670,7 +1670,10 @@ class DeltaEncoder:
         passes queued ahead (:meth:`_compare_ahead`) fill the GPU; an emit pass queued
         behind them on a stream of the same priority started only once their last tiles
         had (a profile on two H100s: the first window's emit pass after the next two
-        compare passes)."""
+        compare passes). The store is allocated on that stream, and the memory it frees goes
+        back to it: whatever the current stream queued on a store before it was dropped (its
+        frames' copies into staging) comes before the stream's next use of that memory, as
+        every section begins with the wait for the current stream."""
         e = self._emit_stream
         if not on or e is None:
             yield
