@@ -116,6 +116,10 @@ def test_bench_gpu_checks_codec_flags_before_starting():
     assert "--fp8-ahead" in out.stderr and "ahead=99 must be an int in [0, 64]" in out.stderr
     out = _run("bench", "gpu", "--window-mb", "0")
     assert out.returncode == 2 and "window_bytes=0 must be >= 1" in out.stderr
+    out = _run("bench", "gpu", "--compare-ahead", "0")
+    assert out.returncode == 2
+    assert "--compare-ahead" in out.stderr and "compare_ahead=0 must be >= 1" in out.stderr
+    assert gpu._scenario_codecs("S7", compare_ahead=3)["delta"].compare_ahead == 3
     out = _run("bench", "gpu", "--windows-per-pass", "0")
     assert out.returncode == 2
     assert "--windows-per-pass" in out.stderr and "windows_per_pass=0 must be >= 1" in out.stderr
@@ -231,6 +235,41 @@ def test_bench_gpu_runs_every_variant_and_compares_codecs_with_their_own_s1(tmp_
     # 27 / 45 ms: against the base's S1@nccl (50 ms) it would read 0.54
     assert [s["ratio"] for s in result["scenarios"] if s["name"] == "S6"] == [0.6] * 4
     assert result["scenarios"][2]["variant_args"] == "--bucket-mb 512 WEIGHTBUS_AMAX_SMS=48"
+    assert result["rounds_summary"] == [
+        {"name": name, "variant": var, "rounds_ms": [ms, ms], "median_ms": ms, "ratio": ratio}
+        for var, k, s1 in ((None, 1, 1.07), ("b512", 0.9, 1.189))
+        for name, ms, ratio in (("S1@nccl", round(50 * k, 2), s1), ("S6", round(30 * k, 2), 0.6))
+    ]
+
+
+def test_bench_rounds_summary_takes_the_median_of_each_settings_rounds():
+    from weightbus.bench.gpu import rounds_summary
+
+    def entry(name, variant, rnd, ms, ratio):
+        return {
+            "name": name,
+            "variant": variant,
+            "round": rnd,
+            "median_s": ms / 1e3,
+            "ratio": ratio,
+        }
+
+    runs = [
+        entry("S7", None, 1, 28.1, 0.60),
+        entry("S7", "p", 1, 21.9, 0.47),
+        entry("S7", None, 2, 22.9, 0.49),
+        entry("S7", "p", 2, 22.3, 0.48),
+        entry("S7", None, 3, 24.5, 0.52),
+        entry("S7", "p", 3, 22.5, 0.48),
+    ]
+    assert rounds_summary(runs) == [
+        {"name": "S7", "variant": None, "rounds_ms": [28.1, 22.9, 24.5], "median_ms": 24.5,
+         "ratio": 0.52},
+        {"name": "S7", "variant": "p", "rounds_ms": [21.9, 22.3, 22.5], "median_ms": 22.3,
+         "ratio": 0.48},
+    ]  # fmt: skip
+    # one round: nothing to summarize
+    assert rounds_summary([{"name": "S7", "median_s": 0.02, "ratio": 0.4}]) == []
 
 
 @pytest.mark.timeout(300)

@@ -28,7 +28,8 @@ against the quantization computed on the writer's GPU and the FP8 error bound.
 
 ``--variant 'b512: --bucket-mb 512 WEIGHTBUS_AMAX_SMS=96'`` runs the scenarios again with
 other flags and environment variables, in the same run (S6 and S7 compared with the S1@nccl of
-their own variant); ``--rounds N`` alternates the settings and the variants N times.
+their own variant); ``--rounds N`` alternates the settings and the variants N times, and
+ends with each setting's median over its rounds (:func:`rounds_summary`).
 """
 
 from __future__ import annotations
@@ -729,6 +730,30 @@ def _display(entry: dict) -> str:
     return name
 
 
+def rounds_summary(scenarios: list[dict]) -> list[dict]:
+    """Per scenario and variant run in several rounds (``--rounds``): each round's median
+    sync in ms, their median, and the median of the rounds' ratios, in the order they first
+    ran. Settings that move from round to round (S7 at 1% changed, bound by host work) are
+    compared by these, not by one round."""
+    rounds: dict[tuple[str, str | None], list[dict]] = {}
+    for s in scenarios:
+        if s.get("round"):
+            rounds.setdefault((s["name"], s.get("variant")), []).append(s)
+    out = []
+    for (name, variant), runs in rounds.items():
+        ms = [round(r["median_s"] * 1e3, 2) for r in runs]
+        out.append(
+            {
+                "name": name,
+                "variant": variant,
+                "rounds_ms": ms,
+                "median_ms": round(statistics.median(ms), 2),
+                "ratio": round(statistics.median(r["ratio"] for r in runs), 3),
+            }
+        )
+    return out
+
+
 def _run_spec(
     spec: str,
     a: argparse.Namespace,
@@ -1111,6 +1136,9 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling_notes": CEILING_NOTES,
         "scenarios": scenarios,
     }
+    summary = rounds_summary(scenarios)
+    if summary:
+        result["rounds_summary"] = summary
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{date}-{kind}.json"
@@ -1125,6 +1153,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{_display(s):<{width}} {s['median_s'] * 1e3:>7.2f} {s['gbps']:>8.1f} "
             f"{s['ceiling_gbps']:>8.1f} {s['ratio']:>7.3f} {s['target']:>7.3f} {s['bit_exact']}"
+        )
+    for r in summary:
+        name = r["name"] + (f" [{r['variant']}]" if r["variant"] else "")
+        print(
+            f"{name}: rounds {', '.join(f'{m:.1f}' for m in r['rounds_ms'])} ms -> median "
+            f"{r['median_ms']:.1f} ms, ratio {r['ratio']:.3f}"
         )
     return 0
 
