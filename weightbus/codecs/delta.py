@@ -232,8 +232,9 @@ class DeltaConfig:
     device sat idle while the host worked. On two H100s (Llama-3-8B, S7 at 1% changed, 10
     timed syncs a round): 21.2, 26.0, 24.4, 29.6, 21.4, 24.2 and 23.5 ms with 2 over three
     runs, against 27.8, 28.9, 28.1, 22.9 and 24.5 for the tree before in two of them; 1
-    took 22.9 and 25.2, 4 took 29.9 and 27.4, 8 took 24.8 and 25.1. The host's work per
-    window, not the device, bounds such a sync. Writer-side only."""
+    took 22.9 and 25.2, 4 took 29.9 and 27.4, 8 took 24.8 and 25.1. The device's passes
+    (about 2 ms a 2 GiB window there) and the host's work per window (2.2-2.6 ms) now bound
+    such a sync about equally. Writer-side only."""
     pieces: bool = True
     """Whether a group of plain buckets (every route dense: a dense sync, or a window that
     changed enough) whose routes are all live regions travels as its pieces
