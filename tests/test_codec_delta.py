@@ -1366,22 +1366,26 @@ def kernels_equal_torch(
 
 @interpreted
 @pytest.mark.parametrize(
-    "seed,window,host_copy,wide,tiles,lanes",
+    "seed,window,host_copy,wide,tiles,lanes,slots",
     [
-        (0, 1500, False, False, None, None),
-        (1, 4000, True, True, None, None),
-        (2, 2500, False, False, 4, None),
-        (3, 2500, False, False, None, 32),
+        (0, 1500, False, False, None, None, 0),
+        (1, 4000, True, True, None, None, 0),
+        (2, 2500, False, False, 4, None, 0),
+        (3, 2500, False, False, None, 32, 0),
+        (4, 1500, False, False, 4, None, 4),
+        (5, 2500, False, True, None, None, 8),
     ],
 )
 def test_interp_kernels_equal_the_torch_path(
-    seed, window, host_copy, wide, tiles, lanes, monkeypatch
+    seed, window, host_copy, wide, tiles, lanes, slots, monkeypatch
 ):
     """``tiles``: programs of that many tiles (compare, and emit by steps), every window
     emitted by steps (also at 50% changed, and its dense frames' tiles). ``lanes``: the
     kernels with a lane per element take that many elements at a time (:data:`LANES`), so
     that their loops over a tile (4 steps) and over a masked apply's program (32) carry
-    places and values from step to step."""
+    places and values from step to step. ``slots``: the compare pass also compacts each
+    tile's changes into that many slots (:data:`SLOTS`), which the emit pass by steps takes
+    (tiles of 128 elements: at 1% changed most fit, at 50% none do, and go by their bits)."""
     from weightbus.codecs import _delta_triton, delta
 
     # small tiles: routes of many tiles, rows split in tiles, all three addressing modes
@@ -1394,7 +1398,23 @@ def test_interp_kernels_equal_the_torch_path(
         monkeypatch.setattr(_delta_triton, "COMPARE", (tiles, 4))
         monkeypatch.setattr(_delta_triton, "EMIT_STEPS", (tiles, 2))
         monkeypatch.setattr(_delta_triton, "STEPS_BELOW", 1.1)
+    if slots:
+        monkeypatch.setattr(_delta_triton, "SLOTS", slots)
+        taken = []
+        emit = _delta_triton.WindowTable.emit
+
+        def counted(self, state, *args, **kwargs):
+            cum, _, got = state
+            if got is not None:
+                # the tiles the emit pass takes from their slots, when it goes by steps
+                n = (cum[1:] - cum[:-1]).cpu()
+                taken.append(int(((n > 0) & (n <= slots)).sum()))
+            return emit(self, state, *args, **kwargs)
+
+        monkeypatch.setattr(_delta_triton.WindowTable, "emit", counted)
     kernels_equal_torch(seed, "cpu", window, host_copy)
+    if slots:
+        assert sum(taken) > 0, taken
 
 
 @interpreted
