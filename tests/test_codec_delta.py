@@ -1771,3 +1771,17 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
     fill_from_canonical(r, canon, want)
     for k, t in want.items():
         assert torch.equal(got[k].view(torch.int16), t.view(torch.int16)), k
+
+
+def test_tuning_variables_refuse_what_is_not_an_integer(monkeypatch):
+    from weightbus._env import env_int
+
+    monkeypatch.delenv("WEIGHTBUS_DELTA_SLOTS", raising=False)
+    assert env_int("WEIGHTBUS_DELTA_SLOTS", 0) == 0
+    monkeypatch.setenv("WEIGHTBUS_DELTA_SLOTS", " 64 ")
+    assert env_int("WEIGHTBUS_DELTA_SLOTS", 0) == 64
+    monkeypatch.setenv("WEIGHTBUS_DELTA_SLOTS", "")
+    assert env_int("WEIGHTBUS_DELTA_SLOTS", 0) == 0
+    monkeypatch.setenv("WEIGHTBUS_DELTA_EMIT_PRIORITY", "high")
+    with pytest.raises(ValueError, match=r"\$WEIGHTBUS_DELTA_EMIT_PRIORITY='high': an integer"):
+        env_int("WEIGHTBUS_DELTA_EMIT_PRIORITY", -1)

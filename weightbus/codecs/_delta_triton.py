@@ -71,6 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
+from weightbus._env import env_int
+
 BLOCK = 2048
 """Elements per tile (the unit of the counts and bitmasks; a program takes one or more)."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -120,7 +122,7 @@ COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
 32 tiles a program or 8 warps 0.55-0.57 ms)."""
-SLOTS = int(os.environ.get("WEIGHTBUS_DELTA_SLOTS", "0"))
+SLOTS = env_int("WEIGHTBUS_DELTA_SLOTS", 0)
 """Changed elements per tile that the compare pass also writes compacted (each one's place
 in its tile, and its value) where its tile has at most this many, so that the emit pass by
 steps copies them from there instead of reading each from the live tensors by its bit (a

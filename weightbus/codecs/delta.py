@@ -123,6 +123,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightbus._env import env_int
 from weightbus._trace import mark
 from weightbus.errors import WeightbusError
 from weightbus.plan.program import BucketOp, pack
@@ -620,7 +621,7 @@ Views = Callable[[BucketOp], Sequence[torch.Tensor] | None]
 in the wire dtype, of ``copy.shape``), or None when some route is computed (FP8, a cast), so
 the bucket is filled into scratch first. The same tuple object while the views stay valid."""
 
-EMIT_PRIORITY = int(os.environ.get("WEIGHTBUS_DELTA_EMIT_PRIORITY", "-1"))
+EMIT_PRIORITY = env_int("WEIGHTBUS_DELTA_EMIT_PRIORITY", -1)
 """The CUDA stream priority of a writer's emit passes (lower is more urgent; CUDA maps it into
 its range), or 0: they run on the current stream (:meth:`DeltaEncoder._emitting`).
 ``$WEIGHTBUS_DELTA_EMIT_PRIORITY`` overrides it. On two H100s, S7 at 1% changed, three rounds

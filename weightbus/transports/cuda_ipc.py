@@ -53,6 +53,7 @@ from typing import Any
 import msgpack
 import torch
 
+from weightbus._env import env_int
 from weightbus.control.store import ListOf, Row, Schema
 from weightbus.errors import PlanMismatch, ProtocolError, WeightbusError
 from weightbus.spec import Participant, gpu_uuid, torch_dtype
@@ -92,12 +93,12 @@ def _open(desc: list) -> torch.UntypedStorage:
 _Job = tuple[int, int, int, int, int, int]  # (dst, dst pitch, src, src pitch, width, rows)
 # relay events per sync and hop (fewer with a small topic window): each hop of a chain runs
 # one chunk behind the one before
-_RELAY_CHUNKS = int(os.environ.get("WEIGHTBUS_IPC_RELAY_CHUNKS", "64"))
+_RELAY_CHUNKS = env_int("WEIGHTBUS_IPC_RELAY_CHUNKS", 64)
 # relays are used when they cut a writer's bytes out by more than this factor (relay_pays)
 _RELAY_GAIN = float(os.environ.get("WEIGHTBUS_IPC_RELAY_GAIN", "1.25"))
 # a bucket with this many memcpys queues them as one CUDA graph (captured at the first sync):
 # one launch instead of a runtime call of a few microseconds per region
-_GRAPH_JOBS = int(os.environ.get("WEIGHTBUS_IPC_GRAPH_MEMCPYS", "32"))
+_GRAPH_JOBS = env_int("WEIGHTBUS_IPC_GRAPH_MEMCPYS", 32)
 _GRAPH_FAILED: list[str] = []  # the first capture failure of this process (warned once)
 
 
