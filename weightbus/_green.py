@@ -11,9 +11,10 @@ behind it finished after 0.60 ms with all SMs taken, 0.20 ms with 96.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from weightbus._env import env_int
 
 __all__ = ["AMAX_SMS", "amax_sms", "partial_stream"]
 
@@ -32,8 +33,7 @@ _contexts: list[object] = []  # each green context outlives its stream
 
 def amax_sms() -> int:
     """:data:`AMAX_SMS`, or ``$WEIGHTBUS_AMAX_SMS`` where set."""
-    v = os.environ.get("WEIGHTBUS_AMAX_SMS", "").strip()
-    return int(v) if v else AMAX_SMS
+    return env_int("WEIGHTBUS_AMAX_SMS", AMAX_SMS)
 
 
 def partial_stream(device: torch.device, sms: int, use: str = "fp8") -> torch.cuda.Stream | None:

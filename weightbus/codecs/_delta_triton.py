@@ -1104,6 +1104,8 @@ class WindowTable:
             self.device
         )
         self._ends = torch.from_numpy(ends.reshape(-1)).to(self.device)
+        self._slot_layouts: dict[int, tuple[list[int], int]] = {}
+        """Per count of :data:`SLOTS`: :meth:`_slot_layout`."""
 
     def warm(self) -> None:
         """Compile every variant of the kernels that a sync may launch on this window, now
@@ -1172,7 +1174,7 @@ class WindowTable:
             if SLOTS:
                 slots = (
                     torch.empty(self.tiles * SLOTS, dtype=torch.int16, device=self.device),
-                    torch.empty(self._slot_bytes(SLOTS), dtype=torch.uint8, device=self.device),
+                    torch.empty(self._slot_layout(SLOTS)[1], dtype=torch.uint8, device=self.device),
                 )
         self._launch_compare(
             self.groups,
@@ -1191,18 +1193,19 @@ class WindowTable:
         ready = self._count_on(counts, stream) if stream is not None else None
         return counts, None if update else bits, ready, slots
 
-    def _slot_bytes(self, slots: int) -> int:
-        """Bytes of a pass's compacted values (:data:`SLOTS` a tile): each launch's tiles
-        at its element size, from a 16-byte boundary (:meth:`_slot_values`)."""
-        return sum(-(-n * slots * isz // 16) * 16 for isz, _, _, n in self.groups)
+    def _slot_layout(self, slots: int) -> tuple[list[int], int]:
+        """Where each launch's compacted values (``slots`` a tile, at its element size)
+        start in a pass's values, from 16-byte boundaries, and their bytes in all; derived
+        once per count of slots."""
+        got = self._slot_layouts.get(slots)
+        if got is None:
+            sizes = [-(-n * slots * isz // 16) * 16 for isz, _, _, n in self.groups]
+            got = self._slot_layouts[slots] = (np.cumsum([0, *sizes[:-1]]).tolist(), sum(sizes))
+        return got
 
     def _slot_values(self, values: torch.Tensor, slots: int) -> list[torch.Tensor]:
         """Per launch (:attr:`groups`): its part of a pass's compacted values."""
-        out, at = [], 0
-        for isz, _, _, n in self.groups:
-            out.append(values[at:])
-            at += -(-n * slots * isz // 16) * 16
-        return out
+        return [values[at:] for at in self._slot_layout(slots)[0]]
 
     def _count_on(self, counts: torch.Tensor, stream: torch.cuda.Stream) -> tuple:
         """Queue on ``stream`` (the compare pass's) each slot's counts, copied to the host:
