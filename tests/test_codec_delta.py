@@ -1366,26 +1366,22 @@ def kernels_equal_torch(
 
 @interpreted
 @pytest.mark.parametrize(
-    "seed,window,host_copy,wide,tiles,lanes,slots",
+    "seed,window,host_copy,wide,tiles,lanes",
     [
-        (0, 1500, False, False, None, None, 0),
-        (1, 4000, True, True, None, None, 0),
-        (2, 2500, False, False, 4, None, 0),
-        (3, 2500, False, False, None, 32, 0),
-        (4, 1500, False, False, 4, None, 4),
-        (5, 2500, False, True, None, None, 8),
+        (0, 1500, False, False, None, None),
+        (1, 4000, True, True, None, None),
+        (2, 2500, False, False, 4, None),
+        (3, 2500, False, False, None, 32),
     ],
 )
 def test_interp_kernels_equal_the_torch_path(
-    seed, window, host_copy, wide, tiles, lanes, slots, monkeypatch
+    seed, window, host_copy, wide, tiles, lanes, monkeypatch
 ):
     """``tiles``: programs of that many tiles (compare, and emit by steps), every window
     emitted by steps (also at 50% changed, and its dense frames' tiles). ``lanes``: the
     kernels with a lane per element take that many elements at a time (:data:`LANES`), so
     that their loops over a tile (4 steps) and over a masked apply's program (32) carry
-    places and values from step to step. ``slots``: the compare pass also compacts each
-    tile's changes into that many slots (:data:`SLOTS`), which the emit pass by steps takes
-    (tiles of 128 elements: at 1% changed most fit, at 50% none do, and go by their bits)."""
+    places and values from step to step."""
     from weightbus.codecs import _delta_triton, delta
 
     # small tiles: routes of many tiles, rows split in tiles, all three addressing modes
@@ -1398,23 +1394,7 @@ def test_interp_kernels_equal_the_torch_path(
         monkeypatch.setattr(_delta_triton, "COMPARE", (tiles, 4))
         monkeypatch.setattr(_delta_triton, "EMIT_STEPS", (tiles, 2))
         monkeypatch.setattr(_delta_triton, "STEPS_BELOW", 1.1)
-    if slots:
-        monkeypatch.setattr(_delta_triton, "SLOTS", slots)
-        taken = []
-        emit = _delta_triton.WindowTable.emit
-
-        def counted(self, state, *args, **kwargs):
-            cum, _, got = state
-            if got is not None:
-                # the tiles the emit pass takes from their slots, when it goes by steps
-                n = (cum[1:] - cum[:-1]).cpu()
-                taken.append(int(((n > 0) & (n <= slots)).sum()))
-            return emit(self, state, *args, **kwargs)
-
-        monkeypatch.setattr(_delta_triton.WindowTable, "emit", counted)
     kernels_equal_torch(seed, "cpu", window, host_copy)
-    if slots:
-        assert sum(taken) > 0, taken
 
 
 @interpreted
@@ -1776,12 +1756,12 @@ def test_interp_torch_ops_per_sync_do_not_grow_with_routes(monkeypatch):
 def test_tuning_variables_refuse_what_is_not_an_integer(monkeypatch):
     from weightbus._env import env_int
 
-    monkeypatch.delenv("WEIGHTBUS_DELTA_SLOTS", raising=False)
-    assert env_int("WEIGHTBUS_DELTA_SLOTS", 0) == 0
-    monkeypatch.setenv("WEIGHTBUS_DELTA_SLOTS", " 64 ")
-    assert env_int("WEIGHTBUS_DELTA_SLOTS", 0) == 64
-    monkeypatch.setenv("WEIGHTBUS_DELTA_SLOTS", "")
-    assert env_int("WEIGHTBUS_DELTA_SLOTS", 0) == 0
+    monkeypatch.delenv("WEIGHTBUS_DELTA_EMIT_PRIORITY", raising=False)
+    assert env_int("WEIGHTBUS_DELTA_EMIT_PRIORITY", -1) == -1
+    monkeypatch.setenv("WEIGHTBUS_DELTA_EMIT_PRIORITY", " 0 ")
+    assert env_int("WEIGHTBUS_DELTA_EMIT_PRIORITY", -1) == 0
+    monkeypatch.setenv("WEIGHTBUS_DELTA_EMIT_PRIORITY", "")
+    assert env_int("WEIGHTBUS_DELTA_EMIT_PRIORITY", -1) == -1
     monkeypatch.setenv("WEIGHTBUS_DELTA_EMIT_PRIORITY", "high")
     with pytest.raises(ValueError, match=r"\$WEIGHTBUS_DELTA_EMIT_PRIORITY='high': an integer"):
         env_int("WEIGHTBUS_DELTA_EMIT_PRIORITY", -1)

@@ -34,8 +34,6 @@ _TYPES = {
     "scratch_ptr": "*u8",
     "counts_ptr": "*i32",
     "bits_ptr": "*i32",
-    "places_ptr": "*i16",
-    "values_ptr": "*u8",
     "cum_ptr": "*i64",
     "plan_ptr": "*i64",
     "store_ptr": "*u8",
@@ -79,20 +77,18 @@ def test_the_delta_kernels_compile_for_sm90():
     for mode in (k.CONTIG, k.ROWS, k.FLAT, k.ALIGNED, k.ALIGNED_ROWS):
         r, _ = k._compare_shape(mode)
         for update, count, pick in ((False, True, False), (True, True, True), (True, False, False)):
-            for slots in (0, 64) if not update else (0,):
-                _compile(
-                    k._compare_kernel, T=tl.int16, MODE=mode, UPDATE=update, COUNT=count,
-                    BLOCK=block, R=r, WHOLE=block // 16, PICK=pick, SLOTS=slots,
-                )  # fmt: skip
+            _compile(
+                k._compare_kernel, T=tl.int16, MODE=mode, UPDATE=update, COUNT=count,
+                BLOCK=block, R=r, WHOLE=block // 16, PICK=pick,
+            )  # fmt: skip
     # the emit pass, by steps and by lanes, in each addressing mode (sparse, masked, dense)
     for mode in (k.CONTIG, k.ROWS, k.FLAT):
         for steps in (True, False):
             r, _ = k.EMIT_STEPS if steps else k.EMIT_LANES
-            for slots in (0, 64) if steps else (0,):
-                _compile(
-                    k._emit_kernel, T=tl.int16, MODE=mode, BLOCK=block, ASM=True, STEPS=steps,
-                    R=r, TOGETHER=k.EMIT_TOGETHER[mode], SUB=k.LANES, SLOTS=slots,
-                )  # fmt: skip
+            _compile(
+                k._emit_kernel, T=tl.int16, MODE=mode, BLOCK=block, ASM=True, STEPS=steps, R=r,
+                TOGETHER=k.EMIT_TOGETHER[mode], SUB=k.LANES,
+            )  # fmt: skip
     # a reader's apply, its copies into contiguous regions, its masked apply and counts
     tiles, _ = k.APPLY_MASKED
     for contiguous in (True, False):

@@ -71,8 +71,6 @@ import torch
 import triton
 import triton.language as tl
 
-from weightbus._env import env_int
-
 BLOCK = 2048
 """Elements per tile (the unit of the counts and bitmasks; a program takes one or more)."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -122,19 +120,6 @@ COPY_IN = (1, 4)
 """Tiles per program and warps of a reader's copies of dense frames into contiguous regions
 (on an H200, 1 GiB of bf16 in 32 routes: 0.54 ms, against 0.51 for a device copy of it; 4 to
 32 tiles a program or 8 warps 0.55-0.57 ms)."""
-SLOTS = env_int("WEIGHTBUS_DELTA_SLOTS", 0)
-"""Changed elements per tile that the compare pass also writes compacted (each one's place
-in its tile, and its value) where its tile has at most this many, so that the emit pass by
-steps copies them from there instead of reading each from the live tensors by its bit (a
-chain of dependent reads per tile, which bounds that pass at 1% changed); a tile with more
-goes by its bits as before. 0: off (the default); else a power of two. Costs per window
-``SLOTS`` places (2 bytes each) and values per tile while the window's bitmask lives (with
-64, for 2 GiB of bf16: 256 MiB). ``$WEIGHTBUS_DELTA_SLOTS`` sets it. Not yet timed on a
-GPU: the interpreter tests and the sm90 compile test run it."""
-if SLOTS < 0 or SLOTS & (SLOTS - 1) or SLOTS > BLOCK:
-    raise ValueError(
-        f"$WEIGHTBUS_DELTA_SLOTS={SLOTS}: 0 (off) or a power of two up to {BLOCK} (e.g. 64)"
-    )
 ZERO_CHUNK = 4096
 """Bytes a program of the kernel zeroing a window's store takes at most
 (:meth:`WindowTable.zero`)."""
@@ -289,26 +274,9 @@ def _regions(row, work_ptr, scratch_ptr, T: tl.constexpr):
 
 
 @triton.jit
-def _slots(c, j, new, g, k, n, places_ptr, values_ptr, T: tl.constexpr, SLOTS: tl.constexpr,
-           AX: tl.constexpr):  # fmt: skip
-    """Tile ``g``'s changed elements compacted (:data:`SLOTS`), where it has at most ``SLOTS``
-    (``n``; ``c`` 1 where element ``j`` changed, ``new`` its bits): each one's place in the
-    tile (int16) at ``places_ptr``, by tile of the window, and its value at ``values_ptr``
-    (the launch's values), by tile ``k`` of the launch; in element order. ``c``, ``j``,
-    ``new`` are a tile (1-D, ``AX`` 0) or ``R`` tiles (2-D, ``AX`` 1; ``g``, ``k``, ``n``
-    columns)."""
-    at = tl.cumsum(c, axis=AX) - c
-    # (tl.where: Triton's interpreter mistypes a block mask & a scalar condition)
-    keep = tl.where(n <= SLOTS, (c != 0) & (at < SLOTS), False)
-    tl.store(places_ptr + g * SLOTS + at, (j + at * 0).to(tl.int16), mask=keep)
-    tl.store(values_ptr.to(tl.pointer_type(T)) + k * SLOTS + at, new, mask=keep)
-
-
-@triton.jit
 def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr, g,
-                     places_ptr, values_ptr, k, T: tl.constexpr, ROWS_: tl.constexpr,
-                     UPDATE: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
-                     WHOLE: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
+                     T: tl.constexpr, ROWS_: tl.constexpr, UPDATE: tl.constexpr,
+                     COUNT: tl.constexpr, BLOCK: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """Compare tile ``g`` of an ALIGNED (or, ``ROWS_``, ALIGNED_ROWS) route, telling the
     compiler that the tile's new and previous values start at 16-byte boundaries and that
     the elements it may take (of the route, or of its row) are a multiple of 16, so that it
@@ -349,8 +317,6 @@ def _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, b
         # bit k of word w: element 32 w + k; distinct bits, so their sum is their OR
         words = tl.sum(tl.reshape(c, [BLOCK // 32, 32]) << tl.arange(0, 32)[None, :], axis=1)
         tl.store(bits_ptr + g * (BLOCK // 32) + tl.arange(0, BLOCK // 32), words)
-        if SLOTS > 0:
-            _slots(c, j, new, g, k, n, places_ptr, values_ptr, T, SLOTS, 0)
 
 
 # tile and entry offsets vary per launch: one compiled kernel for all of them
@@ -363,8 +329,6 @@ def _compare_kernel(
     scratch_ptr,
     counts_ptr,
     bits_ptr,
-    places_ptr,
-    values_ptr,
     first,
     n,
     T: tl.constexpr,
@@ -375,23 +339,19 @@ def _compare_kernel(
     R: tl.constexpr,
     WHOLE: tl.constexpr,
     PICK: tl.constexpr,
-    SLOTS: tl.constexpr,
 ):
     """Compare ``R`` tiles (elements as integers of their width ``T``: raw bits), and bring
     the shadow up to date; ``UPDATE``: no bitmask (every reader of the window gets dense
     bytes); ``COUNT``: with counts; ``WHOLE``: see :func:`_compare_aligned`; ``PICK``: the
     launch's tiles are the ``n`` listed at ``picks_ptr`` from entry ``first`` (a sample),
-    else tiles ``first`` to ``first + n``; ``SLOTS``: with the bitmask, the changed elements
-    of each tile that has at most that many, compacted (:func:`_slots`)."""
+    else tiles ``first`` to ``first + n``."""
     if MODE == _ALIGNED or MODE == _ALIGNED_ROWS:
         tl.static_assert(R == 1, "ALIGNED routes: one tile a program")
-        k = tl.program_id(0).to(tl.int64)
-        at = first + k
+        at = first + tl.program_id(0).to(tl.int64)
         if PICK:
             at = tl.load(picks_ptr + at).to(tl.int64)
         _compare_aligned(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, counts_ptr, bits_ptr,
-                         at, places_ptr, values_ptr, k, T, MODE == _ALIGNED_ROWS, UPDATE, COUNT,
-                         BLOCK, WHOLE, SLOTS)  # fmt: skip
+                         at, T, MODE == _ALIGNED_ROWS, UPDATE, COUNT, BLOCK, WHOLE)  # fmt: skip
         return
     g, live, row = _tiles(tiles_ptr, picks_ptr, routes_ptr, first, n, R, PICK)
     rr = row[:, None]
@@ -412,11 +372,6 @@ def _compare_kernel(
         words = tl.sum(shifted, axis=2)
         at = g[:, None] * (BLOCK // 32) + tl.arange(0, BLOCK // 32)[None, :]
         tl.store(bits_ptr + at, words, mask=live[:, None])
-        if SLOTS > 0:
-            k = (g - first)[:, None]
-            n_t = tl.where(live, tl.sum(c, axis=1), SLOTS + 1)[:, None]
-            _slots(c, tl.arange(0, BLOCK)[None, :], new, g[:, None], k, n_t, places_ptr,
-                   values_ptr, T, SLOTS, 1)  # fmt: skip
 
 
 @triton.jit
@@ -537,14 +492,13 @@ def _mask_bits(row, p, g, bits_ptr, store_ptr, MODE: tl.constexpr, BLOCK: tl.con
 
 @triton.jit
 def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr,
-                store_ptr, g, live, by_bits, T: tl.constexpr, BLOCK: tl.constexpr,
+                store_ptr, g, live, T: tl.constexpr, BLOCK: tl.constexpr,
                 ASM: tl.constexpr):  # fmt: skip
     """What the emit kernel's steps read first of tiles ``g`` (a column of them) that are
     ``live``: their routes' rows, their tile indices in their routes, their plan rows and
     frame kinds, where their new values are, where a sparse or masked frame's values and a
     sparse frame's indices go and the index size (null and 0 for other kinds; 0 for a
-    masked frame), their bitmasks' words (none but for those two, and for tiles ``by_bits``
-    alone: the others' changed elements are taken from their slots), the words' popcounts,
+    masked frame), their bitmasks' words (none but for those two), the words' popcounts,
     and where each word's first changed element goes: the k-th changed element of a route
     goes to place k of its frame's values (a tile's changed elements come in word order,
     and in bit order within a word)."""
@@ -557,7 +511,7 @@ def _emit_start(tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr,
     values_at = tl.where(sparse, store_ptr.to(tl.int64) + tl.load(p + 2), 0)
     index_at = store_ptr + tl.load(p + 1)
     ix = tl.where(sparse, tl.load(p + 3), 0)
-    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=by_bits & sparse, other=0)
+    words = tl.load(bits_ptr + g * W + tl.arange(0, W), mask=live & sparse, other=0)
     words = words.to(tl.uint32, bitcast=True)
     per_word = _popcount(words, ASM)
     place = tl.load(cum_ptr + g) - tl.load(cum_ptr + tl.load(row + 3))
@@ -623,8 +577,6 @@ def _emit_kernel(
     bits_ptr,
     plan_ptr,
     store_ptr,
-    places_ptr,
-    values_ptr,
     first,
     n,
     T: tl.constexpr,
@@ -635,15 +587,12 @@ def _emit_kernel(
     R: tl.constexpr,
     TOGETHER: tl.constexpr,
     SUB: tl.constexpr,
-    SLOTS: tl.constexpr,
 ):
     """Emit ``R`` tiles a program: a dense frame's tile whole, else its changed elements.
     ``STEPS``: one step per set bit of the word that has the most, each step taking every
     word's lowest one (about 3 steps at 1% changed), all ``R`` tiles at once; else a lane
     per element, one tile after another, ``SUB`` elements at a time (:func:`_emit_lanes`).
-    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`). ``SLOTS``
-    (steps only): a tile with at most that many changed elements copies them from the
-    compare pass's slots (:func:`_slots`), in one step; the others go by their bits."""
+    ``TOGETHER``: how many first steps load together (:data:`EMIT_TOGETHER`)."""
     pid = tl.program_id(0).to(tl.int64)
     if not STEPS:  # (a compile-time test: each branch alone is compiled)
         for r in range(R):
@@ -654,27 +603,12 @@ def _emit_kernel(
         return
     k = pid * R + tl.arange(0, R)[:, None]
     g, live = first + k, k < n
-    by_bits = live
-    if SLOTS > 0:
-        ends = tl.load(cum_ptr + g + 1, mask=live, other=0)
-        count = ends - tl.load(cum_ptr + g, mask=live, other=0)
-        by_bits = live & (count > SLOTS)
     row, t, p, kind, new_ptr, values_at, index_at, ix, words, per_word, place = (
         _emit_start(
             tiles_ptr, routes_ptr, work_ptr, scratch_ptr, cum_ptr, bits_ptr, plan_ptr, store_ptr,
-            g, live, by_bits, T, BLOCK, ASM,
+            g, live, T, BLOCK, ASM,
         )
     )  # fmt: skip
-    if SLOTS > 0:
-        # each tile's first place in its route's frame, then its slots' in order
-        base = tl.load(cum_ptr + g, mask=live, other=0)
-        base -= tl.load(cum_ptr + tl.load(row + 3, mask=live, other=0), mask=live, other=0)
-        s = tl.arange(0, SLOTS)[None, :]
-        take = live & ~by_bits & ((kind == 1) | (kind == 3)) & (s < count)
-        j = tl.load(places_ptr + g * SLOTS + s, mask=take, other=0).to(tl.int32)
-        new = tl.load(values_ptr.to(tl.pointer_type(T)) + k * SLOTS + s, mask=take, other=0)
-        u, valid, off = _at(row, t, j, MODE, BLOCK)
-        _put(new, u, take, values_at, index_at, ix, base + s)
     if tl.max(tl.max((kind == 2).to(tl.int32), axis=1), axis=0) > 0:
         for r in range(R):
             if pid * R + r < n:
@@ -1104,8 +1038,6 @@ class WindowTable:
             self.device
         )
         self._ends = torch.from_numpy(ends.reshape(-1)).to(self.device)
-        self._slot_layouts: dict[int, tuple[list[int], int]] = {}
-        """Per count of :data:`SLOTS`: :meth:`_slot_layout`."""
 
     def warm(self) -> None:
         """Compile every variant of the kernels that a sync may launch on this window, now
@@ -1114,12 +1046,8 @@ class WindowTable:
         if INTERPRETED or self.device.type != "cuda":
             return
         # of the dtypes of a sync's buffers (a variant is compiled per pointers' dtypes)
-        dtypes = (torch.uint8, torch.int16, torch.int32, torch.int64)
-        b, h, i, q = (torch.empty(1, dtype=d, device=self.device) for d in dtypes)
-        # a pass with a bitmask writes its slots where they are on (places as int16), and
-        # the emit pass by steps reads them; the others take the shadow's bytes for them
-        k = SLOTS
-        places = h if k else b
+        dtypes = (torch.uint8, torch.int32, torch.int64)
+        b, i, q = (torch.empty(1, dtype=d, device=self.device) for d in dtypes)
         with _device_context(self.device):
             for isz, mode, first, n in self.groups:
                 # (counts and bitmask: the shadow's bytes where a pass has none)
@@ -1130,19 +1058,17 @@ class WindowTable:
                             # (pick: the sampled tally, :meth:`sample`)
                             _compare_kernel.warmup(
                                 self._owner, self._picks, self._routes, b, b, counts, bits,
-                                b if update else places, b, first, n, T=_INT[isz], MODE=m,
-                                UPDATE=bool(update), COUNT=bool(count), BLOCK=self.block, R=r,
-                                WHOLE=self._whole, PICK=pick, SLOTS=0 if update else k,
-                                num_warps=warps, grid=(1,),
+                                first, n, T=_INT[isz], MODE=m, UPDATE=bool(update),
+                                COUNT=bool(count), BLOCK=self.block, R=r, WHOLE=self._whole,
+                                PICK=pick, num_warps=warps, grid=(1,),
                             )  # fmt: skip
                 for steps in (True, False):
                     r, warps = EMIT_STEPS if steps else EMIT_LANES
                     _emit_kernel.warmup(
-                        self._owner, self._routes, b, b, q, i, q, b, places if steps else b, b,
-                        first, n, T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block,
-                        ASM=True, STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
-                        SUB=min(LANES, self.block), SLOTS=k if steps else 0, num_warps=warps,
-                        grid=(1,),
+                        self._owner, self._routes, b, b, q, i, q, b, first, n,
+                        T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
+                        STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                        SUB=min(LANES, self.block), num_warps=warps, grid=(1,),
                     )  # fmt: skip
             _zero_kernel.warmup(q, b, CHUNK=ZERO_CHUNK, grid=(1,))
 
@@ -1161,51 +1087,22 @@ class WindowTable:
         returning None (with ``count``, the state for :meth:`counts` alone); else return
         the pass's state for :meth:`counts` and :meth:`emit`."""
         if not self.tiles:
-            return None if update and not count else (None, None, None, None)
+            return None if update and not count else (None, None, None)
         scratch = work if scratch is None else scratch
         counts = bits = work
         if count or not update:
             counts = torch.empty(self.tiles + 1, dtype=torch.int32, device=self.device)
-        slots = None
         if not update:
             bits = torch.empty(
                 self.tiles * (self.block // 32), dtype=torch.int32, device=self.device
             )
-            if SLOTS:
-                slots = (
-                    torch.empty(self.tiles * SLOTS, dtype=torch.int16, device=self.device),
-                    torch.empty(self._slot_layout(SLOTS)[1], dtype=torch.uint8, device=self.device),
-                )
         self._launch_compare(
-            self.groups,
-            work,
-            scratch,
-            counts,
-            bits,
-            update,
-            count or not update,
-            False,
-            stream,
-            slots,
+            self.groups, work, scratch, counts, bits, update, count or not update, False, stream
         )
         if update and not count:
             return None
         ready = self._count_on(counts, stream) if stream is not None else None
-        return counts, None if update else bits, ready, slots
-
-    def _slot_layout(self, slots: int) -> tuple[list[int], int]:
-        """Where each launch's compacted values (``slots`` a tile, at its element size)
-        start in a pass's values, from 16-byte boundaries, and their bytes in all; derived
-        once per count of slots."""
-        got = self._slot_layouts.get(slots)
-        if got is None:
-            sizes = [-(-n * slots * isz // 16) * 16 for isz, _, _, n in self.groups]
-            got = self._slot_layouts[slots] = (np.cumsum([0, *sizes[:-1]]).tolist(), sum(sizes))
-        return got
-
-    def _slot_values(self, values: torch.Tensor, slots: int) -> list[torch.Tensor]:
-        """Per launch (:attr:`groups`): its part of a pass's compacted values."""
-        return [values[at:] for at in self._slot_layout(slots)[0]]
+        return counts, None if update else bits, ready
 
     def _count_on(self, counts: torch.Tensor, stream: torch.cuda.Stream) -> tuple:
         """Queue on ``stream`` (the compare pass's) each slot's counts, copied to the host:
@@ -1227,27 +1124,20 @@ class WindowTable:
             done.record(stream)
         return cum, ends, host, done
 
-    def _launch_compare(
-        self, groups, work, scratch, counts, bits, update, count, pick, stream, slots=None
-    ):
+    def _launch_compare(self, groups, work, scratch, counts, bits, update, count, pick, stream):
         """One compare launch per entry of ``groups`` (:attr:`groups`, or with ``pick``
-        :attr:`sample_groups`), on ``stream`` if given; ``slots``: the places and values
-        tensors the compare writes each tile's changed elements into (:data:`SLOTS`)."""
+        :attr:`sample_groups`), on ``stream`` if given."""
         on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         # the ALIGNED routes' places are offsets in these two: aligned only if they are
         aligned = work.data_ptr() % 16 == 0 and scratch.data_ptr() % 16 == 0
-        k = SLOTS if slots is not None else 0
-        places = slots[0] if slots is not None else work
-        values = self._slot_values(slots[1], k) if slots is not None else [work] * len(groups)
         with _device_context(self.device), on:
-            for (isz, mode, first, n), at in zip(groups, values, strict=True):
+            for isz, mode, first, n in groups:
                 mode = mode if aligned else _unaligned(mode)
                 r, warps = _compare_shape(mode)
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._picks, self._routes, work, scratch, counts, bits,
-                    places, at, first, n, T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count,
-                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick, SLOTS=k,
-                    num_warps=warps,
+                    first, n, T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count,
+                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick, num_warps=warps,
                 )  # fmt: skip
 
     def sample(self, work: torch.Tensor, stream: torch.cuda.Stream | None = None):
@@ -1261,14 +1151,14 @@ class WindowTable:
             self._launch_compare(
                 self.sample_groups, work, work, counts, work, True, True, True, stream
             )
-        return counts, None, None, None
+        return counts, None, None
 
     def counts(self, state) -> tuple[np.ndarray, object]:
         """Each slot's count of changed elements (waits for the compare pass: for its
         stream alone where it ran on one, else for the current stream)."""
-        counts, bits, ready, slots = state
+        counts, bits, ready = state
         if counts is None:
-            return np.zeros(self.slots, np.int64), (None, bits, None)
+            return np.zeros(self.slots, np.int64), (None, bits)
         if ready is None:
             cum = torch.cumsum(counts, 0, dtype=torch.int64)
             ends = cum.index_select(0, self._ends).cpu().numpy()
@@ -1276,13 +1166,13 @@ class WindowTable:
             cum, _, host, done = ready
             done.synchronize()
             ends = host.numpy()
-        return ends[self.slots :] - ends[: self.slots], (cum, bits, slots)
+        return ends[self.slots :] - ends[: self.slots], (cum, bits)
 
     def emit(self, state, work, scratch, plan: np.ndarray, store, changed: int) -> None:
         """Launch the emit pass with ``plan`` (per slot: kind, frame offset in ``store``,
         values offset, index size): frames into ``store``, changed elements into the shadow;
         ``changed``: how many elements changed in the window (which kernel is faster)."""
-        cum, bits, slots = state
+        cum, bits = state
         if cum is None:
             return
         scratch = work if scratch is None else scratch
@@ -1290,18 +1180,13 @@ class WindowTable:
         rows = _on(plan.astype(np.int64), self.device)
         steps = changed < STEPS_BELOW * self.elements
         r, warps = EMIT_STEPS if steps else EMIT_LANES
-        # the compacted changes (steps only), of as many slots a tile as the compare wrote
-        k = slots[0].numel() // max(self.tiles, 1) if slots is not None and steps else 0
-        places = slots[0] if k else work
-        values = self._slot_values(slots[1], k) if k else [work] * len(self.groups)
         with _device_context(self.device):
-            for (isz, mode, first, n), at in zip(self.groups, values, strict=True):
+            for isz, mode, first, n in self.groups:
                 _emit_kernel[(-(-n // r),)](
-                    self._owner, self._routes, work, scratch, cum, bits, rows, store, places,
-                    at, first, n, T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block,
-                    ASM=not INTERPRETED, STEPS=steps, R=r,
-                    TOGETHER=EMIT_TOGETHER[_unaligned(mode)], SUB=min(LANES, self.block),
-                    SLOTS=k, num_warps=warps,
+                    self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
+                    T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
+                    STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
+                    SUB=min(LANES, self.block), num_warps=warps,
                 )  # fmt: skip
 
     def zero(self, store: torch.Tensor, starts: np.ndarray, ends: np.ndarray) -> None:
