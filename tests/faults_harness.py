@@ -110,9 +110,11 @@ GLOO_CPU = Setup("gloo-cpu", "gloo", "faults-gloo-flip", "cpu", pulls=False)
 SHM_PULL_CPU = Setup("shm_pull-cpu", SHM_PULL, SHM_PULL, "cpu", pulls=True)
 
 
-def setup_params() -> list:
+def setup_params(always: tuple[str, ...] = ()) -> list:
     """The ``setup`` parameter: the GPU setups (skipped without four CUDA devices) and their
-    CPU stand-ins (skipped unless ``$WEIGHTBUS_FAULTS_GPU_ON_CPU`` is set)."""
+    CPU stand-ins (skipped unless ``$WEIGHTBUS_FAULTS_GPU_ON_CPU`` is set, but for those whose
+    id is in ``always``: they run in every CPU suite, so that a change which breaks what the
+    GPU case relies on, such as the victim's stall hook, shows without GPUs)."""
     have = torch.cuda.device_count()
     on_gpu = pytest.mark.skipif(have < GPUS, reason=f"needs {GPUS} CUDA GPUs, found {have}")
     on_cpu = pytest.mark.skipif(
@@ -122,8 +124,10 @@ def setup_params() -> list:
     return [
         pytest.param(NCCL, id=NCCL.id, marks=on_gpu),
         pytest.param(CUDA_IPC, id=CUDA_IPC.id, marks=on_gpu),
-        pytest.param(GLOO_CPU, id=GLOO_CPU.id, marks=on_cpu),
-        pytest.param(SHM_PULL_CPU, id=SHM_PULL_CPU.id, marks=on_cpu),
+        *(
+            pytest.param(s, id=s.id, marks=() if s.id in always else on_cpu)
+            for s in (GLOO_CPU, SHM_PULL_CPU)
+        ),
     ]
 
 
@@ -646,18 +650,19 @@ class Ctx:
 
             writer_module.post_writer = post_writer
             return
-        real_post = Transport._post
+        # every post goes through _post_many: one operation alone, or a group (send_many)
+        real_post_many = Transport._post_many
         posted = [0]
 
-        def _post(transport, op, peer, buf, tag):
-            handle = real_post(transport, op, peer, buf, tag)
+        def _post_many(transport, op, peer, items):
+            handles = real_post_many(transport, op, peer, items)
             if transport is session.transport and armed():
-                posted[0] += 1
+                posted[0] += len(handles)
                 if posted[0] >= max(1, len(session.ops) // 2):
                     stall(f"{posted[0]} of its {len(session.ops)} bucket operations posted")
-            return handle
+            return handles
 
-        Transport._post = _post
+        Transport._post_many = _post_many
 
 
 def _failed(exc: BaseException, version, t0: float, **extra) -> dict:

@@ -206,7 +206,7 @@ KILL_STEPS = 4
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup", setup_params(always=("gloo-cpu",)))
 def test_reader_killed_mid_sync_is_named_and_the_next_sync_goes_on_without_it(setup):
     w = {"steps": KILL_STEPS}
     survivor = {
