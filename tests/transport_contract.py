@@ -15,6 +15,7 @@ dies, and any still alive when a run ends are killed.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -84,6 +85,8 @@ def _child(
     shape: tuple[int, int],
 ) -> None:
     threading.Thread(target=_watchdog, args=(os.getppid(),), daemon=True).start()
+    # the test process asks for every thread's stack (SIGUSR1) when this one hangs
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from weightbus.control.store import ControlConfig, ControlPlane
     from weightbus.errors import WeightbusError
     from weightbus.spec import Participant
@@ -148,11 +151,14 @@ def _exchange(
         order = list(range(len(SIZES)))
         walk = peers if me.role == "writer" else list(reversed(peers))
         size = _group_size(k)
-        if size > 1 and victim_stop is None:
-            # each peer's buckets in groups (send_many / recv_many), one peer after another
+        if size > 1:
+            # each peer's buckets in groups (send_many / recv_many), one peer after another;
+            # a victim posts the same groups as its peers (as NCCL requires) until it stops
             many = t.send_many if me.role == "writer" else t.recv_many
             for p in walk:
                 for a in range(0, len(order), size):
+                    if victim_stop is not None and victim_stop(k, a):
+                        return {}
                     items = [(bufs[(p, b)], _tag(k, b)) for b in order[a : a + size]]
                     handles += many(p, items)
         else:
@@ -188,8 +194,9 @@ def _role_death(me, control, t, results, job, device) -> dict:
         return _exchange(me, control, t, device, range(ROUNDS))
 
     def stop(k: int, b: int) -> bool:
-        # round 1, half of the buckets posted: tell the test process, wait to be killed
-        if k == 1 and b == len(SIZES) // 2:
+        # round 1, half of the buckets posted (of one writer, where they go in groups): tell
+        # the test process, wait to be killed
+        if k == 1 and b >= len(SIZES) // 2:
             results.set(f"{job}/victim-ready", "1")
             time.sleep(CHILD_LIMIT_S)
         return False
@@ -202,7 +209,7 @@ def _role_failure(me, control, t, results, job, device) -> dict:
         return _exchange(me, control, t, device, range(ROUNDS))
 
     def stop(k: int, b: int) -> bool:
-        if k == 1 and b == 2:
+        if k == 1 and b >= 2:
             control.fail("reader-1 simulated an engine crash: CUDA error 700")
             results.set(f"{job}/victim-failed", str(time.time()))
             # stay alive (sockets open) until everyone else reported
@@ -263,7 +270,12 @@ class _Run(Spawned):
             if not proc.is_alive() and not self.store.check([key]):
                 raise AssertionError(f"{name} exited with code {proc.exitcode} without reporting")
             if time.monotonic() > deadline:
-                raise AssertionError(f"{name} reported nothing within {timeout_s} s")
+                os.kill(proc.pid, signal.SIGUSR1)  # its stacks, on stderr (faulthandler)
+                time.sleep(1.0)
+                raise AssertionError(
+                    f"{name} reported nothing within {timeout_s} s (its threads' stacks are "
+                    "on stderr)"
+                )
             time.sleep(0.02)
         return json.loads(self.store.get(key))
 
