@@ -11,16 +11,8 @@ per transport watches those events. A dead peer leaves NCCL kernels spinning: th
 wait notices through the control plane (failure report or stale heartbeat) and :meth:`_abort`
 aborts the communicators, which frees the GPU.
 
-Each writer-reader link has a ``ProcessGroupNCCL`` of its own, of two ranks (the writer 0),
-and every operation on it is posted the same way (as an NCCL group, where this PyTorch has
-them), so that each link uses one communicator and one NCCL stream: links never queue behind
-each other, and posting never creates a communicator. (One process group of every participant
-would not do: PyTorch runs grouped point-to-point operations on that group's communicator of
-all ranks, created lazily by the first of them as a collective of every participant, so a
-participant that had died, or that never posted a group, blocked the others' first group in
-NCCL's initialization, beyond any timeout; and that one communicator's stream put every link
-behind every other.) :meth:`_connect` creates every link's communicator, pair by pair in one
-global order, so the first sync pays nothing.
+NCCL creates one communicator per pair of ranks on their first send/recv; :meth:`_connect`
+warms up every writer-reader pair in a fixed global order so the first sync pays nothing.
 """
 
 from __future__ import annotations
@@ -57,13 +49,12 @@ class NcclTransport(Transport):
         super().__init__(fields.pop("timeout", None))
         if fields:
             raise TypeError(f"nccl: unknown options {sorted(fields)}")
-        self._links: dict[int, Any] = {}
-        """Per peer (global rank): the ProcessGroupNCCL of this participant and that peer."""
+        self._pg: Any = None
         self._rank = -1
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._coalesce = False  # post as NCCL groups (where PyTorch can: connect)
+        self._coalesce = False  # post groups as one NCCL group (where PyTorch can: connect)
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -99,67 +90,34 @@ class NcclTransport(Transport):
         self._rank = roster.global_rank(me.name)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
-        store = control.substore("nccl")
-        writers = [p for p in roster.all if p.role == "writer"]
-        readers = [p for p in roster.all if p.role == "reader"]
-        # every link's group (creating one is local: its communicator comes with its first
-        # operation), the writer rank 0, under the link's own prefix of one store
-        for p in readers if me.role == "writer" else writers:
-            w, r = (me, p) if me.role == "writer" else (p, me)
-            prefix = f"{roster.global_rank(w.name)}-{roster.global_rank(r.name)}"
-            self._links[roster.global_rank(p.name)] = dist.ProcessGroupNCCL(
-                dist.PrefixStore(prefix, store), 0 if me is w else 1, 2, options
-            )
+        self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
         self._poller = EventPoller(self)
         # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts nothing
-        if self._links:
-            probe = next(iter(self._links.values()))
-            try:
-                probe._start_coalescing()
-                probe._end_coalescing()
-                self._coalesce = True
-            except Exception as e:  # another signature, or none: post one at a time
-                logger.info(
-                    "weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e
-                )
-        # every link's communicator, by an operation posted as a sync posts them, the links
-        # in one global order (pairs sorted by (writer, reader)): two ranks make a link's
-        # communicator together, so the order keeps any two participants from waiting on
-        # each other
+        try:
+            self._pg._start_coalescing()
+            self._pg._end_coalescing()
+            self._coalesce = True
+        except Exception as e:  # another signature, or none: post one at a time
+            logger.info("weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e)
+        # warm up every writer-reader pair in one global order (pairs sorted by (writer,
+        # reader)), so each pair's communicator exists before the first sync
         t0 = time.monotonic()
         one = torch.zeros(1, dtype=torch.uint8, device=self._device)
+        writers = [p for p in roster.all if p.role == "writer"]
+        readers = [p for p in roster.all if p.role == "reader"]
         for w in writers:
             for r in readers:
-                if me.name in (w.name, r.name):
-                    peer = roster.global_rank((r if me is w else w).name)
-                    op = "send" if me.role == "writer" else "recv"
-                    self._post_on(self._links[peer], op, [one]).wait()
+                if me.name == w.name:
+                    self._pg.send([one], roster.global_rank(r.name), 0).wait()
+                elif me.name == r.name:
+                    self._pg.recv([one], roster.global_rank(w.name), 0).wait()
         torch.cuda.synchronize(self._device)
         logger.debug(
-            "weightbus nccl: %s connected (rank %d, %d links) in %.2f s",
+            "weightbus nccl: %s connected (rank %d) in %.2f s",
             me.name,
             self._rank,
-            len(self._links),
             time.monotonic() - t0,
         )
-
-    def _post_on(self, link: Any, op: str, flats: list[torch.Tensor]) -> Any:
-        """Post ``flats`` to the other rank of ``link`` (its ProcessGroupNCCL) on the current
-        stream, as one NCCL group where this PyTorch has them (even one operation: a link's
-        operations all go through one communicator so), else the one operation alone;
-        returns the work."""
-        post = link.send if op == "send" else link.recv
-        other = 1 - link.rank()
-        if not self._coalesce:
-            assert len(flats) == 1
-            return post(flats, other, 0)
-        link._start_coalescing()
-        try:
-            for flat in flats:
-                post([flat], other, 0)
-        finally:
-            work = link._end_coalescing()
-        return work
 
     def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
         # a local mistake, raised before anything is posted (not reported as the peer's failure)
@@ -171,19 +129,28 @@ class NcclTransport(Transport):
             )
 
     def _issue_many(self, handles: list[Handle], bufs: list[torch.Tensor | None]) -> None:
-        """Post operations to one peer on its side stream (:meth:`_side`), over the link's
-        group (:meth:`_post_on`): more than one as one NCCL group (a launch for all; on 2 x
-        H200 Llama-3-8B's 291 tensors, in groups of 8 to 32, took 44.9 ms against 47.6 for a
-        send each, and 3-5 ms of host time against 26), which completes at once, with one
-        event. Where PyTorch has no groups, each alone."""
+        """Post operations to one peer on its side stream (:meth:`_side`): one alone, more than
+        one as one NCCL group (a launch for all; on 2 x H200 Llama-3-8B's 291 tensors, in
+        groups of 8 to 32, took 44.9 ms against 47.6 for a send each, and 3-5 ms of host time
+        against 26), which completes at once, with one event. Where PyTorch has no groups,
+        each alone."""
         if len(handles) > 1 and not self._coalesce:
             super()._issue_many(handles, bufs)  # each through _send / _recv
             return
-        assert self._poller is not None
+        assert self._pg is not None and self._poller is not None
         flats = [buf.reshape(-1) for buf in bufs if buf is not None]
         peer, side = self._side(handles[0])
+        post = self._pg.send if handles[0].op == "send" else self._pg.recv
         with torch.cuda.stream(side):
-            work = self._post_on(self._links[peer], handles[0].op, flats)
+            if len(flats) == 1:
+                work = post(flats, peer, 0)
+            else:
+                self._pg._start_coalescing()
+                try:
+                    for flat in flats:
+                        post([flat], peer, 0)
+                finally:
+                    work = self._pg._end_coalescing()
             work.wait()
             event = torch.cuda.Event()
             event.record(side)
@@ -203,11 +170,6 @@ class NcclTransport(Transport):
         used it), then carries the operation and its completion event."""
         assert self.roster is not None
         peer = self.roster.global_rank(handle.peer.name)
-        if peer not in self._links:
-            raise ValueError(
-                f"nccl: {handle.peer.name!r} and {self.participant.name!r} are not a writer "
-                "and a reader: nccl links each writer with each reader only"
-            )
         side = self._streams.get(peer)
         if side is None:
             side = self._streams[peer] = torch.cuda.Stream(self._device)
@@ -235,18 +197,18 @@ class NcclTransport(Transport):
 
     def _close(self) -> None:
         self._stop()
-        for link in self._links.values():
+        if self._pg is not None:
             try:
-                link.shutdown()
+                self._pg.shutdown()
             except Exception as e:  # older builds
                 logger.debug("weightbus nccl: shutdown: %s", e)
-        self._links = {}
+            self._pg = None
 
     def _abort(self, reason: str) -> None:
         self._stop()
-        for link in self._links.values():
+        if self._pg is not None:
             try:
-                link.abort()
+                self._pg.abort()
             except Exception as e:
                 logger.debug("weightbus nccl: abort: %s", e)
-        self._links = {}
+            self._pg = None
