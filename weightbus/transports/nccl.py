@@ -13,6 +13,18 @@ aborts the communicators, which frees the GPU.
 
 NCCL creates one communicator per pair of ranks on their first send/recv; :meth:`_connect`
 warms up every writer-reader pair in a fixed global order so the first sync pays nothing.
+
+A known hazard of groups (:meth:`_issue_many`): PyTorch runs a group's operations on the
+process group's communicator of every participant, which the first group of each creates
+together, as a collective. A participant that never posts a group (its links all staged, or
+carrying one bucket a group, or a codec's), or that dies before its first, leaves the others'
+first group waiting in NCCL's initialization, where no timeout of ours reaches; and that one
+communicator's stream runs the groups of every link one after another. Where that bites,
+``$WEIGHTBUS_NCCL_GROUPS=0`` on every participant of the job makes each post every operation
+alone, on its pair's own communicator, as before groups (a participant with it set posts
+singly, and so do its peers on their links with it, since both ends of a link agree on groups
+at connect; links between participants without it still group). Lifting it for good takes a
+process group of two ranks per link.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightbus._env import env_int
 from weightbus.spec import Participant
 from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
@@ -92,13 +105,19 @@ class NcclTransport(Transport):
         options._timeout = self.timeout
         self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
         self._poller = EventPoller(self)
-        # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts nothing
-        try:
-            self._pg._start_coalescing()
-            self._pg._end_coalescing()
-            self._coalesce = True
-        except Exception as e:  # another signature, or none: post one at a time
-            logger.info("weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e)
+        # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts
+        # nothing. $WEIGHTBUS_NCCL_GROUPS=0: every operation alone (the module docstring)
+        if not env_int("WEIGHTBUS_NCCL_GROUPS", 1):
+            logger.info("weightbus nccl: $WEIGHTBUS_NCCL_GROUPS=0: posting singly")
+        else:
+            try:
+                self._pg._start_coalescing()
+                self._pg._end_coalescing()
+                self._coalesce = True
+            except Exception as e:  # another signature, or none: post one at a time
+                logger.info(
+                    "weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e
+                )
         # warm up every writer-reader pair in one global order (pairs sorted by (writer,
         # reader)), so each pair's communicator exists before the first sync
         t0 = time.monotonic()
