@@ -15,6 +15,7 @@ dies, and any still alive when a run ends are killed.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import multiprocessing
@@ -270,8 +271,9 @@ class _Run(Spawned):
             if not proc.is_alive() and not self.store.check([key]):
                 raise AssertionError(f"{name} exited with code {proc.exitcode} without reporting")
             if time.monotonic() > deadline:
-                os.kill(proc.pid, signal.SIGUSR1)  # its stacks, on stderr (faulthandler)
-                time.sleep(1.0)
+                with contextlib.suppress(ProcessLookupError):  # (it may just have exited)
+                    os.kill(proc.pid, signal.SIGUSR1)  # its stacks, on stderr (faulthandler)
+                    time.sleep(1.0)
                 raise AssertionError(
                     f"{name} reported nothing within {timeout_s} s (its threads' stacks are "
                     "on stderr)"
