@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import TCPStore
 
+import tests.nccl_on_cpu  # noqa: F401  (registers test-nccl-on-cpu)
 import weightbus.control.store  # noqa: F401  (preloaded into the forkserver)
 import weightbus.transports.gloo  # noqa: F401
 from tests.procs import Spawned

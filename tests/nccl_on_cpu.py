@@ -1,0 +1,192 @@
+"""The nccl transport's own logic on CPU: ``test-nccl-on-cpu`` is :class:`NcclTransport` with
+``ProcessGroupNCCL`` stood in by ``ProcessGroupGloo`` and CUDA streams and events by host
+objects that follow the Gloo operations posted under them, so that the transport contract
+(``tests/transport_contract.py``) runs its connect, warm-up order, posting (alone and in
+groups), completion, failure detection and teardown in every CPU suite.
+
+What it does not model is NCCL's own behaviour: which communicator an operation uses, when one
+is created, what a kernel does when its peer died. A Gloo operation whose peer died fails; here
+it stays pending, as an NCCL kernel spins, so that only the control plane can end the wait, as
+on GPUs. The GPU contract tests (``tests/test_gpu.py``) cover the rest.
+
+Nothing is replaced until a ``test-nccl-on-cpu`` transport is built, which only the
+contract's participant processes do: this module is imported (for the registration) wherever
+``tests/transport_contract.py`` is, the real nccl transport included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightbus.transports import nccl
+from weightbus.transports.base import register_transport
+
+_local = threading.local()
+
+
+def _current() -> _Stream:
+    s = getattr(_local, "stream", None)
+    if s is None:
+        s = _local.stream = _Stream()
+    return s
+
+
+class _Stream:
+    """A CUDA stream: the Gloo operations posted while it was current, completed in order by
+    a thread of its own (a Gloo send or receive learns it is done only inside ``wait()``)."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.works: list[_Op] = []
+        self.lock = threading.Lock()
+        self.queue: queue.SimpleQueue[_Op] = queue.SimpleQueue()
+        threading.Thread(target=self._complete, daemon=True).start()
+
+    def wait_stream(self, other: _Stream) -> None:
+        pass  # (host memory: what was written before a post is there when it runs)
+
+    def wait_event(self, event: _Event) -> None:
+        pass
+
+    def add(self, work: Any) -> None:
+        op = _Op(work)
+        with self.lock:
+            self.works = [w for w in self.works if not w.done.is_set()] + [op]
+        self.queue.put(op)
+
+    def _complete(self) -> None:
+        while True:
+            op = self.queue.get()
+            try:
+                op.work.wait()
+            except Exception:
+                # its peer died: it stays pending, as an NCCL kernel whose peer died spins
+                continue
+            op.done.set()
+
+
+class _Op:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.done = threading.Event()
+
+
+class _Event:
+    """A CUDA event: done once the operations its stream held when recorded are."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.works: list[_Op] = []
+
+    def record(self, stream: _Stream | None = None) -> None:
+        stream = stream if stream is not None else _current()
+        with stream.lock:
+            self.works = list(stream.works)
+
+    def query(self) -> bool:
+        return all(op.done.is_set() for op in self.works)
+
+
+@contextlib.contextmanager
+def _stream(stream: _Stream):
+    before = _current()
+    _local.stream = stream
+    try:
+        yield
+    finally:
+        _local.stream = before
+
+
+_CUDA = types.SimpleNamespace(
+    Stream=_Stream,
+    Event=_Event,
+    stream=_stream,
+    current_stream=lambda device=None: _current(),
+    set_device=lambda device: None,
+    synchronize=lambda device=None: None,
+    is_available=lambda: True,
+)
+
+
+class _Torch(types.SimpleNamespace):
+    """``torch`` as the nccl module sees it: the real one, but for ``torch.cuda``."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _Posted:
+    """What ProcessGroupNCCL returns for a post: ``wait`` orders the current stream after it
+    (here nothing: the event recorded next follows the operations themselves)."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _GlooAsNccl:
+    """``ProcessGroupNCCL(store, rank, size, options)`` over Gloo: every operation goes on
+    the current (stand-in) stream, a group's as they are posted."""
+
+    class Options:
+        _timeout: Any = None
+
+    def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
+        self._rank = rank
+        self._pg = dist.ProcessGroupGloo(store, rank, size, options._timeout)
+        self._grouping = False
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _start_coalescing(self) -> None:
+        self._grouping = True
+
+    def _end_coalescing(self) -> _Posted:
+        self._grouping = False
+        return _Posted()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Posted:
+        _current().add(self._pg.send(tensors, dst, tag))
+        return _Posted()
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Posted:
+        _current().add(self._pg.recv(tensors, src, tag))
+        return _Posted()
+
+    def abort(self) -> None:
+        pass  # (the process exits, or the test ends, with Gloo's sockets)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _stand_in() -> None:
+    """Point the nccl module at the stand-ins (in this process, once)."""
+    if isinstance(nccl.torch, _Torch):
+        return
+    nccl.torch = _Torch(cuda=_CUDA)  # type: ignore[assignment]
+    fake_dist = types.SimpleNamespace(ProcessGroupNCCL=_GlooAsNccl, PrefixStore=dist.PrefixStore)
+    nccl.dist = fake_dist  # type: ignore[assignment]
+    nccl.cuda_device = lambda p: torch.device("cpu")  # type: ignore[assignment]
+
+
+@register_transport
+class NcclOnCpu(nccl.NcclTransport):
+    """:class:`NcclTransport` on CPU (module docstring); never chosen automatically."""
+
+    name = "test-nccl-on-cpu"
+    devices = frozenset({"cpu"})
+    priority = -1
+
+    def __init__(self, **fields: Any) -> None:
+        _stand_in()
+        super().__init__(**fields)
+
+    @classmethod
+    def unsupported(cls, participants) -> str | None:
+        return None
