@@ -138,24 +138,33 @@ class _GlooAsNccl:
     def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
         self._rank = rank
         self._pg = dist.ProcessGroupGloo(store, rank, size, options._timeout)
-        self._grouping = False
+        self._grouped: int | None = None  # operations in the open group
 
     def rank(self) -> int:
         return self._rank
 
+    groups = 0
+    """Groups of more than one operation posted in this process (tests read it)."""
+
     def _start_coalescing(self) -> None:
-        self._grouping = True
+        self._grouped = 0
 
     def _end_coalescing(self) -> _Posted:
-        self._grouping = False
+        if self._grouped is not None and self._grouped > 1:
+            type(self).groups += 1
+        self._grouped = None
         return _Posted()
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Posted:
-        _current().add(self._pg.send(tensors, dst, tag))
-        return _Posted()
+        return self._post(self._pg.send(tensors, dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Posted:
-        _current().add(self._pg.recv(tensors, src, tag))
+        return self._post(self._pg.recv(tensors, src, tag))
+
+    def _post(self, work: Any) -> _Posted:
+        _current().add(work)
+        if self._grouped is not None:
+            self._grouped += 1
         return _Posted()
 
     def abort(self) -> None:
@@ -165,14 +174,24 @@ class _GlooAsNccl:
         pass
 
 
+def stand_ins() -> dict[str, Any]:
+    """The nccl module's names and their stand-ins."""
+    return {
+        "torch": _Torch(cuda=_CUDA),
+        "dist": types.SimpleNamespace(ProcessGroupNCCL=_GlooAsNccl, PrefixStore=dist.PrefixStore),
+        "cuda_device": lambda p: torch.device("cpu"),
+    }
+
+
 def _stand_in() -> None:
-    """Point the nccl module at the stand-ins (in this process, once)."""
+    """Point the nccl module at the stand-ins, for good: in a participant process of the
+    contract, which uses no other nccl transport. A test that builds the transport in the
+    test process sets them with ``monkeypatch`` first (:func:`stand_ins`), so that they go
+    when it ends."""
     if isinstance(nccl.torch, _Torch):
         return
-    nccl.torch = _Torch(cuda=_CUDA)  # type: ignore[assignment]
-    fake_dist = types.SimpleNamespace(ProcessGroupNCCL=_GlooAsNccl, PrefixStore=dist.PrefixStore)
-    nccl.dist = fake_dist  # type: ignore[assignment]
-    nccl.cuda_device = lambda p: torch.device("cpu")  # type: ignore[assignment]
+    for name, value in stand_ins().items():
+        setattr(nccl, name, value)
 
 
 @register_transport
@@ -190,3 +209,6 @@ class NcclOnCpu(nccl.NcclTransport):
     @classmethod
     def unsupported(cls, participants) -> str | None:
         return None
+
+    def done_event(self, handle):
+        return None  # (a reader's sums wait for the operation, not for a CUDA event)

@@ -551,13 +551,13 @@ def _configs(port: int, job: str, n_w: int, n_r: int, **control):
     )
 
 
-def _writer(model, rank: int, n_w: int):
+def _writer(model, rank: int, n_w: int, dtype: str = "float32"):
     from weightbus import BoundLayout
     from weightbus.layouts.fsdp import fsdp_layout
     from weightbus.plan import allocate
 
     layout = fsdp_layout(model, Participant(role="writer", rank=rank), shard=n_w,
-                         shard_rank=rank, dtype="float32")  # fmt: skip
+                         shard_rank=rank, dtype=dtype)  # fmt: skip
     return BoundLayout(layout=layout, tensors=allocate(layout))
 
 
