@@ -583,6 +583,24 @@ def _off(layout, tensors, model, version: int) -> int:
     return sum(int((tensors[k].view(torch.uint8) != want[k].view(torch.uint8)).sum()) for k in want)
 
 
+def _reader_syncs(model, rank: int, process: str | None, configs, syncs: int):
+    """A thread's body: reader ``rank`` (:func:`_reader`) waits for ``syncs`` syncs, its
+    tensors poisoned before each; returns per sync the bytes that differ from its version."""
+    from weightbus import Reader
+
+    def body():
+        bound = _reader(model, rank, process)
+        with Reader(bound, *configs()) as r:
+            offs = []
+            for _ in range(syncs):
+                _poison(r)
+                res = r.wait()
+                offs.append(_off(bound.layout, r.live, model, res.version))
+            return offs
+
+    return body
+
+
 def _poison(reader) -> None:
     from weightbus.plan import poison
 
@@ -835,7 +853,7 @@ def test_a_delta_writer_sends_frames_where_they_lie_where_every_link_it_sends_ov
     """A writer of a job of two transports (one per link) sends its delta frames from the
     stores its encoder wrote them into only where both send from any buffer; where one does
     not, it copies them into its staging buffers. Either way every sync is bit exact."""
-    from weightbus import DeltaConfig, Reader, Writer
+    from weightbus import DeltaConfig, Writer
     from weightbus.layouts.families import model_spec
     from weightbus.plan import fill_from_canonical
 
@@ -867,17 +885,7 @@ def test_a_delta_writer_sends_frames_where_they_lie_where_every_link_it_sends_ov
             return type(w.transport).__name__, w.codec.encoder.sends_stores
 
     def reader(rank, process):
-        def body():
-            bound = _reader(model, rank, process)
-            with Reader(bound, *configs()) as r:
-                offs = []
-                for _ in range(syncs):
-                    _poison(r)
-                    res = r.wait()
-                    offs.append(_off(bound.layout, r.live, model, res.version))
-                return offs
-
-        return body
+        return _reader_syncs(model, rank, process, configs, syncs)
 
     out = run_threads(
         {

@@ -65,9 +65,9 @@ def test_writer_and_readers_over_the_nccl_logic_are_bit_exact(nccl_stand_ins, co
     """One writer, two engine replicas, a few syncs over the nccl transport's logic: in-place
     buckets posted as groups (both ends agreeing at connect), or, with a delta codec, every
     bucket alone; each reader's poisoned tensors bit exact after each sync."""
-    from tests.test_transport_links import MODEL, _canonical, _off, _poison, _reader, _writer
+    from tests.test_transport_links import MODEL, _canonical, _reader_syncs, _writer
     from tests.threads import run_threads
-    from weightbus import DeltaConfig, Reader, Writer
+    from weightbus import DeltaConfig, Writer
     from weightbus.layouts.families import model_spec
     from weightbus.plan import fill_from_canonical
 
@@ -93,20 +93,8 @@ def test_writer_and_readers_over_the_nccl_logic_are_bit_exact(nccl_stand_ins, co
                 w.sync(v)
             return type(w.transport).__name__
 
-    def reader(rank):
-        def body():
-            bound = _reader(model, rank, None)
-            with Reader(bound, *configs()) as r:
-                offs = []
-                for _ in range(syncs):
-                    _poison(r)
-                    res = r.wait()
-                    offs.append(_off(bound.layout, r.live, model, res.version))
-                return offs
-
-        return body
-
-    out = run_threads({"writer-0": writer, "reader-0": reader(0), "reader-1": reader(1)})
+    readers = {f"reader-{r}": _reader_syncs(model, r, None, configs, syncs) for r in range(n_r)}
+    out = run_threads({"writer-0": writer, **readers})
     for name, got in out.items():
         assert not isinstance(got, BaseException), (name, got)
     assert out["writer-0"] == "NcclOnCpu"
