@@ -9,9 +9,11 @@ is created, what a kernel does when its peer died. A Gloo operation whose peer d
 it stays pending, as an NCCL kernel spins, so that only the control plane can end the wait, as
 on GPUs. The GPU contract tests (``tests/test_gpu.py``) cover the rest.
 
-Nothing is replaced until a ``test-nccl-on-cpu`` transport is built, which only the
-contract's participant processes do: this module is imported (for the registration) wherever
-``tests/transport_contract.py`` is, the real nccl transport included.
+Nothing is replaced until a ``test-nccl-on-cpu`` transport is built: for good in the
+contract's participant processes, which use no other nccl transport, and for one test in the
+test process, which sets the stand-ins with ``monkeypatch`` first (:func:`stand_ins`). This
+module is imported (for the registration) wherever ``tests/transport_contract.py`` is, the
+real nccl transport's tests included.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class _Stream:
         self.works: list[_Op] = []
         self.lock = threading.Lock()
         self.queue: queue.SimpleQueue[_Op] = queue.SimpleQueue()
+        # (for the process's life: with threads that ended when idle, the test process
+        # aborted at exit, "terminate called without an active exception", likely Gloo torn
+        # down during Python's exit once no thread held its operations)
         threading.Thread(target=self._complete, daemon=True).start()
 
     def wait_stream(self, other: _Stream) -> None:
