@@ -114,7 +114,6 @@ _CUDA = types.SimpleNamespace(
     current_stream=lambda device=None: _current(),
     set_device=lambda device: None,
     synchronize=lambda device=None: None,
-    is_available=lambda: True,
 )
 
 
