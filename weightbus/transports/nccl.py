@@ -11,20 +11,16 @@ per transport watches those events. A dead peer leaves NCCL kernels spinning: th
 wait notices through the control plane (failure report or stale heartbeat) and :meth:`_abort`
 aborts the communicators, which frees the GPU.
 
-NCCL creates one communicator per pair of ranks on their first send/recv; :meth:`_connect`
-warms up every writer-reader pair in a fixed global order so the first sync pays nothing.
-
-A known hazard of groups (:meth:`_issue_many`): PyTorch runs a group's operations on the
-process group's communicator of every participant, which the first group of each creates
-together, as a collective. A participant that never posts a group (its links all staged, or
-carrying one bucket a group, or a codec's), or that dies before its first, leaves the others'
-first group waiting in NCCL's initialization, where no timeout of ours reaches; and that one
-communicator's stream runs the groups of every link one after another. Where that bites,
-``$WEIGHTBUS_NCCL_GROUPS=0`` on every participant of the job makes each post every operation
-alone, on its pair's own communicator, as before groups (a participant with it set posts
-singly, and so do its peers on their links with it, since both ends of a link agree on groups
-at connect; links between participants without it still group). Lifting it for good takes a
-process group of two ranks per link.
+Each writer-reader link has a ``ProcessGroupNCCL`` of its own, of two ranks (the writer 0),
+and every operation on it is posted the same way (as an NCCL group, where this PyTorch has
+them), so that each link uses one communicator and one NCCL stream: links never queue behind
+each other, and posting never creates a communicator. (One process group of every participant
+would not do: PyTorch runs grouped point-to-point operations on that group's communicator of
+all ranks, created lazily by the first of them as a collective of every participant, so a
+participant that had died, or that never posted a group, blocked the others' first group in
+NCCL's initialization, beyond any timeout; and that one communicator's stream put every link
+behind every other.) :meth:`_connect` creates every link's communicator, pair by pair in one
+global order, so the first sync pays nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from weightbus._env import env_int
+from weightbus.control.store import Roster
 from weightbus.spec import Participant
 from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
@@ -44,6 +41,23 @@ from weightbus.transports.base import Handle, Transport, register_transport
 __all__ = ["NcclTransport"]
 
 logger = logging.getLogger(__name__)
+
+
+def link_order(roster: Roster, name: str) -> list[tuple[int, str, int]]:
+    """Participant ``name``'s links, in the order every participant creates them (writer-reader
+    pairs sorted by the writer's global rank, then the reader's): per link the peer's global
+    rank, the link's store prefix (the same on both ends) and this end's rank in the link's
+    group (the writer 0, the reader 1)."""
+    me = roster[name]
+    writers = [roster.global_rank(p.name) for p in roster.all if p.role == "writer"]
+    readers = [roster.global_rank(p.name) for p in roster.all if p.role == "reader"]
+    mine = roster.global_rank(name)
+    out = []
+    for w in writers:
+        for r in readers:
+            if mine in (w, r):
+                out.append((r if me.role == "writer" else w, f"{w}-{r}", int(mine == r)))
+    return out
 
 
 @register_transport
@@ -62,12 +76,13 @@ class NcclTransport(Transport):
         super().__init__(fields.pop("timeout", None))
         if fields:
             raise TypeError(f"nccl: unknown options {sorted(fields)}")
-        self._pg: Any = None
+        self._links: dict[int, Any] = {}
+        """Per peer (global rank): the ProcessGroupNCCL of this participant and that peer."""
         self._rank = -1
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._coalesce = False  # post groups as one NCCL group (where PyTorch can: connect)
+        self._coalesce = False  # post as NCCL groups (where PyTorch can: connect)
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -103,40 +118,64 @@ class NcclTransport(Transport):
         self._rank = roster.global_rank(me.name)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
-        self._pg = dist.ProcessGroupNCCL(control.substore("nccl"), self._rank, roster.size, options)
+        store = control.substore("nccl")
+        # every link's group (creating one is local: its communicator comes with its first
+        # operation), the writer rank 0, under the link's own prefix of one store
+        links = link_order(roster, me.name)
+        for peer, prefix, rank in links:
+            self._links[peer] = dist.ProcessGroupNCCL(
+                dist.PrefixStore(prefix, store), rank, 2, options
+            )
         self._poller = EventPoller(self)
-        # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts
-        # nothing. $WEIGHTBUS_NCCL_GROUPS=0: every operation alone (the module docstring)
+        # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts nothing
+        # $WEIGHTBUS_NCCL_GROUPS=0: every operation alone (on every link's communicator of
+        # two, made by unbatched operations)
         if not env_int("WEIGHTBUS_NCCL_GROUPS", 1):
             logger.info("weightbus nccl: $WEIGHTBUS_NCCL_GROUPS=0: posting singly")
-        else:
+        elif self._links:
+            probe = next(iter(self._links.values()))
             try:
-                self._pg._start_coalescing()
-                self._pg._end_coalescing()
+                probe._start_coalescing()
+                probe._end_coalescing()
                 self._coalesce = True
             except Exception as e:  # another signature, or none: post one at a time
                 logger.info(
                     "weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e
                 )
-        # warm up every writer-reader pair in one global order (pairs sorted by (writer,
-        # reader)), so each pair's communicator exists before the first sync
+        # every link's communicator, by an operation posted as a sync posts them, the links
+        # in one global order (link_order): two ranks make a link's communicator together,
+        # so the order keeps any two participants from waiting on each other
         t0 = time.monotonic()
         one = torch.zeros(1, dtype=torch.uint8, device=self._device)
-        writers = [p for p in roster.all if p.role == "writer"]
-        readers = [p for p in roster.all if p.role == "reader"]
-        for w in writers:
-            for r in readers:
-                if me.name == w.name:
-                    self._pg.send([one], roster.global_rank(r.name), 0).wait()
-                elif me.name == r.name:
-                    self._pg.recv([one], roster.global_rank(w.name), 0).wait()
+        op = "send" if me.role == "writer" else "recv"
+        for peer, _, _ in links:
+            self._post_on(self._links[peer], op, [one]).wait()
         torch.cuda.synchronize(self._device)
         logger.debug(
-            "weightbus nccl: %s connected (rank %d) in %.2f s",
+            "weightbus nccl: %s connected (rank %d, %d links) in %.2f s",
             me.name,
             self._rank,
+            len(self._links),
             time.monotonic() - t0,
         )
+
+    def _post_on(self, link: Any, op: str, flats: list[torch.Tensor]) -> Any:
+        """Post ``flats`` to the other rank of ``link`` (its ProcessGroupNCCL) on the current
+        stream, as one NCCL group where this PyTorch has them (even one operation: a link's
+        operations all go through one communicator so), else the one operation alone;
+        returns the work."""
+        post = link.send if op == "send" else link.recv
+        other = 1 - link.rank()
+        if not self._coalesce:
+            assert len(flats) == 1
+            return post(flats, other, 0)
+        link._start_coalescing()
+        try:
+            for flat in flats:
+                post([flat], other, 0)
+        finally:
+            work = link._end_coalescing()
+        return work
 
     def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
         # a local mistake, raised before anything is posted (not reported as the peer's failure)
@@ -148,28 +187,19 @@ class NcclTransport(Transport):
             )
 
     def _issue_many(self, handles: list[Handle], bufs: list[torch.Tensor | None]) -> None:
-        """Post operations to one peer on its side stream (:meth:`_side`): one alone, more than
-        one as one NCCL group (a launch for all; on 2 x H200 Llama-3-8B's 291 tensors, in
-        groups of 8 to 32, took 44.9 ms against 47.6 for a send each, and 3-5 ms of host time
-        against 26), which completes at once, with one event. Where PyTorch has no groups,
-        each alone."""
+        """Post operations to one peer on its side stream (:meth:`_side`), over the link's
+        group (:meth:`_post_on`): more than one as one NCCL group (a launch for all; on 2 x
+        H200 Llama-3-8B's 291 tensors, in groups of 8 to 32, took 44.9 ms against 47.6 for a
+        send each, and 3-5 ms of host time against 26), which completes at once, with one
+        event. Where PyTorch has no groups, each alone."""
         if len(handles) > 1 and not self._coalesce:
             super()._issue_many(handles, bufs)  # each through _send / _recv
             return
-        assert self._pg is not None and self._poller is not None
+        assert self._poller is not None
         flats = [buf.reshape(-1) for buf in bufs if buf is not None]
         peer, side = self._side(handles[0])
-        post = self._pg.send if handles[0].op == "send" else self._pg.recv
         with torch.cuda.stream(side):
-            if len(flats) == 1:
-                work = post(flats, peer, 0)
-            else:
-                self._pg._start_coalescing()
-                try:
-                    for flat in flats:
-                        post([flat], peer, 0)
-                finally:
-                    work = self._pg._end_coalescing()
+            work = self._post_on(self._links[peer], handles[0].op, flats)
             work.wait()
             event = torch.cuda.Event()
             event.record(side)
@@ -189,6 +219,11 @@ class NcclTransport(Transport):
         used it), then carries the operation and its completion event."""
         assert self.roster is not None
         peer = self.roster.global_rank(handle.peer.name)
+        if peer not in self._links:
+            raise ValueError(
+                f"nccl: {handle.peer.name!r} and this participant are not a writer "
+                "and a reader: nccl links each writer with each reader only"
+            )
         side = self._streams.get(peer)
         if side is None:
             side = self._streams[peer] = torch.cuda.Stream(self._device)
@@ -216,18 +251,18 @@ class NcclTransport(Transport):
 
     def _close(self) -> None:
         self._stop()
-        if self._pg is not None:
+        for link in self._links.values():
             try:
-                self._pg.shutdown()
+                link.shutdown()
             except Exception as e:  # older builds
                 logger.debug("weightbus nccl: shutdown: %s", e)
-            self._pg = None
+        self._links = {}
 
     def _abort(self, reason: str) -> None:
         self._stop()
-        if self._pg is not None:
+        for link in self._links.values():
             try:
-                self._pg.abort()
+                link.abort()
             except Exception as e:
                 logger.debug("weightbus nccl: abort: %s", e)
-            self._pg = None
+        self._links = {}
