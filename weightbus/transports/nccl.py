@@ -1,8 +1,8 @@
 """nccl: GPU bytes between processes over NVLink / PCIe / InfiniBand, through NCCL.
 
-A ``ProcessGroupNCCL`` of its own, built from a ``PrefixStore`` over the control plane's
-TCPStore (never the default process group, so it works beside the trainer's and the engine's
-own groups), one GPU per process, global ranks writers-then-readers.
+Process groups of its own (``ProcessGroupNCCL``, one per link: below), built from prefixes of
+one store of the control plane's (never the default process group, so it works beside the
+trainer's and the engine's own groups), one GPU per process.
 
 How a send or receive completes: it is posted on NCCL's stream, the caller's current stream is
 made to wait for it (so a pack into, or unpack from, the same buffer is ordered after it on the
