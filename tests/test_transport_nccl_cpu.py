@@ -103,3 +103,57 @@ def test_writer_and_readers_over_the_nccl_logic_are_bit_exact(nccl_stand_ins, co
         assert nccl_stand_ins.groups > 0  # the in-place buckets went in groups
     else:
         assert nccl_stand_ins.groups == 0  # a codec's side posts every bucket alone
+
+
+@pytest.mark.timeout(120)
+def test_ends_that_would_post_differently_fail_at_connect(nccl_stand_ins, monkeypatch):
+    """One reader with $WEIGHTBUS_NCCL_GROUPS=0, the others grouping: a group and a single
+    operation go through different NCCL communicators and would wait for each other for good;
+    every participant raises at connect instead, naming who posts how and the fix."""
+    import threading
+
+    from tests.test_transport_links import MODEL, _reader_syncs, _writer
+    from tests.threads import run_threads
+    from weightbus import Writer
+    from weightbus.errors import PlanMismatch
+    from weightbus.layouts.families import model_spec
+    from weightbus.transports import nccl
+
+    singly = threading.local()  # the threads that run as if $WEIGHTBUS_NCCL_GROUPS=0
+    real = nccl.env_int
+    monkeypatch.setattr(
+        nccl,
+        "env_int",
+        lambda name, default: 0 if getattr(singly, "on", False) else real(name, default),
+    )
+    model = model_spec(MODEL)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job = f"nccl-cpu-{uuid.uuid4().hex[:6]}"
+
+    def configs():
+        from tests.test_faults_membership import configs
+
+        return configs(store.port, 1, 2, job, transport=NAME, sync_timeout=timedelta(seconds=15))
+
+    def writer():
+        with Writer(_writer(model, 0, 1, dtype="bfloat16"), *configs()):
+            return "connected"
+
+    def alone(body):
+        def go():
+            singly.on = True
+            return body()
+
+        return go
+
+    out = run_threads(
+        {
+            "writer-0": writer,
+            "reader-0": _reader_syncs(model, 0, None, configs, 1),
+            "reader-1": alone(_reader_syncs(model, 1, None, configs, 1)),
+        }
+    )
+    for name, got in out.items():
+        assert isinstance(got, PlanMismatch), (name, got)
+        assert "WEIGHTBUS_NCCL_GROUPS" in str(got) and "reader-1" in str(got), (name, got)
+    assert nccl_stand_ins.groups == 0  # nothing was posted

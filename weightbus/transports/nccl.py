@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from weightbus._env import env_int
 from weightbus.control.store import Roster
+from weightbus.errors import PlanMismatch
 from weightbus.spec import Participant
 from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
@@ -142,6 +143,17 @@ class NcclTransport(Transport):
                 logger.info(
                     "weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e
                 )
+        # both ends of a link must post alike (a group and a single operation go through
+        # different communicators, and would wait for each other beyond any timeout)
+        try:
+            control.agree("nccl posting", "groups" if self._coalesce else "singly", self.timeout)
+        except PlanMismatch as e:
+            raise PlanMismatch(
+                f"nccl: participants would post differently ({e.groups}): set "
+                "$WEIGHTBUS_NCCL_GROUPS alike on every participant (0 or unset) and run the "
+                "same PyTorch on each",
+                e.groups,
+            ) from None
         # every link's communicator, by an operation posted as a sync posts them, the links
         # in one global order (link_order): two ranks make a link's communicator together,
         # so the order keeps any two participants from waiting on each other
