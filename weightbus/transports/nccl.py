@@ -26,6 +26,7 @@ global order, so the first sync pays nothing.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,9 @@ from weightbus.transports.base import Handle, Transport, register_transport
 __all__ = ["NcclTransport"]
 
 logger = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 5.0
+"""How long :meth:`NcclTransport._abort` waits for its links' communicators to abort."""
 
 
 def link_order(roster: Roster, name: str) -> list[tuple[int, str, int]]:
@@ -271,10 +275,42 @@ class NcclTransport(Transport):
         self._links = {}
 
     def _abort(self, reason: str) -> None:
+        """Abort every link's communicator, all at once (PyTorch's abort of one may wait up to
+        the transport's timeout), waiting :data:`ABORT_WAIT_S` at most: one still aborting
+        then goes on in the background, and the error that made this abort is raised now."""
         self._stop()
-        for link in self._links.values():
+        links, self._links = list(self._links.items()), {}
+        if not links:
+            return
+        logger.warning("weightbus nccl: aborting %d links: %s", len(links), reason)
+
+        def abort(peer: int, link: Any) -> None:
+            t0 = time.monotonic()
             try:
                 link.abort()
             except Exception as e:
                 logger.debug("weightbus nccl: abort: %s", e)
-        self._links = {}
+            took = time.monotonic() - t0
+            if took > 1.0:
+                logger.warning(
+                    "weightbus nccl: the link to rank %d took %.1f s to abort", peer, took
+                )
+
+        threads = [
+            threading.Thread(
+                target=abort, args=kv, name=f"weightbus-nccl-abort-{kv[0]}", daemon=True
+            )
+            for kv in links
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + ABORT_WAIT_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        left = [t.name for t in threads if t.is_alive()]
+        if left:
+            logger.warning(
+                "weightbus nccl: still aborting after %.0f s, going on in the background: %s",
+                ABORT_WAIT_S,
+                left,
+            )
