@@ -1,7 +1,11 @@
 """The NCCL transport's links (CPU): one group of two ranks per writer-reader pair, named and
-ranked alike on both ends, created in one global order (weightbus.transports.nccl.link_order)."""
+ranked alike on both ends, created in one global order (weightbus.transports.nccl.link_order),
+and all aborted at once."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -36,3 +40,51 @@ def test_every_pair_is_one_link_alike_on_both_ends(writers, readers):
         assert keys == sorted(keys)
     assert len(seen) == writers * readers
     assert all(sorted(r for _, r in ends) == [0, 1] for ends in seen.values()), seen
+
+
+class _Link:
+    """A link's process group whose abort waits (up to ``wait_s``) for ``needs`` to abort
+    first, as a communicator's teardown waits for the GPU where the other link's kernel spins
+    on a dead peer until that link's own abort."""
+
+    def __init__(self, needs: threading.Event | None, done: threading.Event, wait_s: float):
+        self.needs, self.done, self.wait_s = needs, done, wait_s
+
+    def abort(self) -> None:
+        if self.needs is not None and not self.needs.wait(self.wait_s):
+            raise AssertionError("aborted before the link it waits for")
+        self.done.set()
+
+
+@pytest.mark.parametrize("order", ["live first", "dead first"])
+def test_abort_tears_down_every_link_at_once(order):
+    """Aborting one link after another hung on GPUs in the first link's abort, which waited
+    for the other's (the live reader's link listed first): every link's abort now starts at
+    once, whatever the order."""
+    from weightbus.transports.nccl import NcclTransport
+
+    live_done, dead_done = threading.Event(), threading.Event()
+    live = _Link(needs=dead_done, done=live_done, wait_s=3.0)
+    dead = _Link(needs=None, done=dead_done, wait_s=0.0)
+    t = NcclTransport()
+    t._links = {2: live, 3: dead} if order == "live first" else {3: dead, 2: live}
+    t0 = time.monotonic()
+    t._abort("reader-1 died")
+    assert live_done.is_set() and dead_done.is_set()
+    assert time.monotonic() - t0 < 2.0
+    assert t._links == {}
+
+
+def test_abort_waits_a_bounded_time_for_a_link_that_never_aborts(monkeypatch):
+    """A link whose abort never returns is left to a background thread after ABORT_WAIT_S,
+    with a warning, so the error that made the abort is raised."""
+    from weightbus.transports import nccl
+
+    monkeypatch.setattr(nccl, "ABORT_WAIT_S", 0.3)
+    stuck = _Link(needs=threading.Event(), done=threading.Event(), wait_s=2.0)
+    t = nccl.NcclTransport()
+    t._links = {2: stuck}
+    t0 = time.monotonic()
+    t._abort("reader-1 died")
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert not stuck.done.is_set()
