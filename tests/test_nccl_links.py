@@ -58,9 +58,9 @@ class _Link:
 
 @pytest.mark.parametrize("order", ["live first", "dead first"])
 def test_abort_tears_down_every_link_at_once(order):
-    """Aborting one link after another hung on GPUs in the first link's abort, which waited
-    for the other's (the live reader's link listed first): every link's abort now starts at
-    once, whatever the order."""
+    """Aborting one link after another hung on GPUs in the first link's abort (the live
+    reader's; it likely waited for the dead one's, modelled here): every link's abort now
+    starts at once, whatever the order."""
     from weightbus.transports.nccl import NcclTransport
 
     live_done, dead_done = threading.Event(), threading.Event()
