@@ -5,6 +5,7 @@ transfer and a peer's reported failure. NCCL's behaviour itself is the GPU tests
 
 from __future__ import annotations
 
+import threading
 import uuid
 from datetime import timedelta
 
@@ -59,101 +60,113 @@ def nccl_stand_ins(monkeypatch):
     return nccl_on_cpu._GlooAsNccl
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("codec", ["plain", "delta"])
-def test_writer_and_readers_over_the_nccl_logic_are_bit_exact(nccl_stand_ins, codec):
-    """One writer, two engine replicas, a few syncs over the nccl transport's logic: in-place
-    buckets posted as groups (both ends agreeing at connect), or, with a delta codec, every
-    bucket alone; each reader's poisoned tensors bit exact after each sync."""
+_MARKED = threading.local()  # the thread of the one participant a test sets apart
+
+
+def _marked() -> bool:
+    return getattr(_MARKED, "on", False)
+
+
+def _job(syncs: int, extra: dict | None = None, marked: str | None = None) -> dict:
+    """Writer-0 and readers 0 and 1 (engine replicas) over the nccl transport's logic, for
+    ``syncs`` syncs, each reader's tensors poisoned before each; ``marked``: the participant
+    whose thread is marked (:func:`_marked`). Per participant: the writer's transport class
+    name, a reader's bytes off per sync, or the exception raised."""
     from tests.test_transport_links import MODEL, _canonical, _reader_syncs, _writer
     from tests.threads import run_threads
-    from weightbus import DeltaConfig, Writer
+    from weightbus import Writer
     from weightbus.layouts.families import model_spec
     from weightbus.plan import fill_from_canonical
 
     model = model_spec(MODEL)
-    n_w, n_r, syncs = 1, 2, 3
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job = f"nccl-cpu-{uuid.uuid4().hex[:6]}"
-    extra = {"delta": DeltaConfig(checksum_every=2)} if codec == "delta" else {}
 
     def configs():
         from tests.test_faults_membership import configs
 
         return configs(
-            store.port, n_w, n_r, job, transport=NAME, sync_timeout=timedelta(seconds=15), **extra
-        )
+            store.port, 1, 2, job, transport=NAME, sync_timeout=timedelta(seconds=15),
+            **(extra or {}),
+        )  # fmt: skip
 
     def writer():
         # (in the readers' dtype: buckets go in place on both ends, where groups form)
-        bound = _writer(model, 0, n_w, dtype="bfloat16")
+        bound = _writer(model, 0, 1, dtype="bfloat16")
         with Writer(bound, *configs()) as w:
             for v in range(1, syncs + 1):
                 fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
                 w.sync(v)
             return type(w.transport).__name__
 
-    readers = {f"reader-{r}": _reader_syncs(model, r, None, configs, syncs) for r in range(n_r)}
-    out = run_threads({"writer-0": writer, **readers})
-    for name, got in out.items():
-        assert not isinstance(got, BaseException), (name, got)
-    assert out["writer-0"] == "NcclOnCpu"
-    assert out["reader-0"] == out["reader-1"] == [0] * syncs
-    if codec == "plain":
-        assert nccl_stand_ins.groups > 0  # the in-place buckets went in groups
-    else:
-        assert nccl_stand_ins.groups == 0  # a codec's side posts every bucket alone
-
-
-@pytest.mark.timeout(120)
-def test_ends_that_would_post_differently_fail_at_connect(nccl_stand_ins, monkeypatch):
-    """One reader with $WEIGHTBUS_NCCL_GROUPS=0, the others grouping: a group and a single
-    operation go through different NCCL communicators and would wait for each other for good;
-    every participant raises at connect instead, naming who posts how and the fix."""
-    import threading
-
-    from tests.test_transport_links import MODEL, _reader_syncs, _writer
-    from tests.threads import run_threads
-    from weightbus import Writer
-    from weightbus.errors import PlanMismatch
-    from weightbus.layouts.families import model_spec
-    from weightbus.transports import nccl
-
-    singly = threading.local()  # the threads that run as if $WEIGHTBUS_NCCL_GROUPS=0
-    real = nccl.env_int
-    monkeypatch.setattr(
-        nccl,
-        "env_int",
-        lambda name, default: 0 if getattr(singly, "on", False) else real(name, default),
-    )
-    model = model_spec(MODEL)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    job = f"nccl-cpu-{uuid.uuid4().hex[:6]}"
-
-    def configs():
-        from tests.test_faults_membership import configs
-
-        return configs(store.port, 1, 2, job, transport=NAME, sync_timeout=timedelta(seconds=15))
-
-    def writer():
-        with Writer(_writer(model, 0, 1, dtype="bfloat16"), *configs()):
-            return "connected"
-
-    def alone(body):
+    def mark(name, body):
         def go():
-            singly.on = True
+            _MARKED.on = name == marked
             return body()
 
         return go
 
-    out = run_threads(
-        {
-            "writer-0": writer,
-            "reader-0": _reader_syncs(model, 0, None, configs, 1),
-            "reader-1": alone(_reader_syncs(model, 1, None, configs, 1)),
-        }
+    bodies = {"writer-0": writer}
+    bodies.update({f"reader-{r}": _reader_syncs(model, r, None, configs, syncs) for r in (0, 1)})
+    return run_threads({name: mark(name, body) for name, body in bodies.items()})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["plain", "delta", "reader-1 ungrouped"])
+def test_writer_and_readers_over_the_nccl_logic_are_bit_exact(nccl_stand_ins, monkeypatch, case):
+    """One writer, two engine replicas, a few syncs over the nccl transport's logic: in-place
+    buckets posted as groups (both ends agreeing at connect), or, with a delta codec, every
+    bucket alone, or with $WEIGHTBUS_NCCL_GROUPS=0 on one reader, its buckets alone and the
+    other's in groups; each reader's poisoned tensors bit exact after each sync."""
+    from weightbus import DeltaConfig
+    from weightbus.transports import nccl
+
+    syncs = 3
+    real_env, real_end = nccl.env_int, nccl_stand_ins._end_coalescing
+    sizes: list[tuple[bool, int]] = []  # per posted group: (marked thread, operations)
+
+    def end(link):
+        sizes.append((_marked(), link._grouped or 0))
+        return real_end(link)
+
+    monkeypatch.setattr(nccl_stand_ins, "_end_coalescing", end)
+    monkeypatch.setattr(
+        nccl, "env_int", lambda name, default: 0 if _marked() else real_env(name, default)
     )
+    extra = {"delta": DeltaConfig(checksum_every=2)} if case == "delta" else {}
+    out = _job(syncs, extra, marked="reader-1" if case == "reader-1 ungrouped" else None)
+    for name, got in out.items():
+        assert not isinstance(got, BaseException), (name, got)
+    assert out["writer-0"] == "NcclOnCpu"
+    assert out["reader-0"] == out["reader-1"] == [0] * syncs
+    if case == "delta":
+        assert nccl_stand_ins.groups == 0  # a codec's side posts every bucket alone
+    else:
+        assert nccl_stand_ins.groups > 0  # the in-place buckets went in groups
+    if case == "reader-1 ungrouped":
+        # its operations alone (each an NCCL group of one, as its peers post them)
+        mine = [n for marked, n in sizes if marked]
+        assert mine and max(mine) == 1, sizes
+
+
+@pytest.mark.timeout(120)
+def test_ends_that_would_post_differently_fail_at_connect(nccl_stand_ins, monkeypatch):
+    """One reader whose PyTorch posts no NCCL groups, the others grouping: a group (even of
+    one) and an operation alone go through different NCCL communicators and would wait for
+    each other for good; every participant raises at connect instead, naming who posts how
+    and the fix."""
+    from weightbus.errors import PlanMismatch
+
+    real = nccl_stand_ins._start_coalescing
+
+    def start(link):
+        if _marked():
+            raise TypeError("_start_coalescing() takes 2 positional arguments but 1 was given")
+        return real(link)
+
+    monkeypatch.setattr(nccl_stand_ins, "_start_coalescing", start)
+    out = _job(1, marked="reader-1")
     for name, got in out.items():
         assert isinstance(got, PlanMismatch), (name, got)
-        assert "WEIGHTBUS_NCCL_GROUPS" in str(got) and "reader-1" in str(got), (name, got)
+        assert "same PyTorch" in str(got) and "reader-1" in str(got), (name, got)
     assert nccl_stand_ins.groups == 0  # nothing was posted

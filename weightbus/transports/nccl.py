@@ -22,9 +22,11 @@ NCCL's initialization, beyond any timeout; and that one communicator's stream pu
 behind every other: S2 over NCCL, one writer to three readers on 4 x H200, took 188.4 ms so
 against 132.7 with a group per link.) :meth:`_connect` creates every link's communicator, pair
 by pair in one global order, so the first sync pays nothing. ``$WEIGHTBUS_NCCL_GROUPS=0``
-posts every operation alone instead (S1 over NCCL took 48.7 ms so against 46.3 with groups on
-2 x H200, when groups came); participants agree on it at connect, since a link whose ends
-post differently would use two communicators and hang.
+puts one operation in each group (S1 over NCCL took 48.7 ms with an NCCL call per bucket
+against 46.3 with groups on 2 x H200, when groups came); the ends of each link agree at
+connect on which operations share a group (``Transport.groups_with``), so the setting may
+differ between participants. A PyTorch without groups posts every operation alone, through
+another communicator: participants agree at connect that they all group, or none does.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class NcclTransport(Transport):
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._coalesce = False  # post as NCCL groups (where PyTorch can: connect)
+        self._coalesce = False  # post every operation as an NCCL group (where PyTorch can)
+        self._group = False  # several operations to a peer in one group ($WEIGHTBUS_NCCL_GROUPS)
 
     @classmethod
     def unsupported(cls, participants) -> str | None:
@@ -137,11 +140,7 @@ class NcclTransport(Transport):
             )
         self._poller = EventPoller(self)
         # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts nothing
-        # $WEIGHTBUS_NCCL_GROUPS=0: every operation alone (on every link's communicator of
-        # two, made by unbatched operations)
-        if not env_int("WEIGHTBUS_NCCL_GROUPS", 1):
-            logger.info("weightbus nccl: $WEIGHTBUS_NCCL_GROUPS=0: posting singly")
-        elif self._links:
+        if self._links:
             probe = next(iter(self._links.values()))
             try:
                 probe._start_coalescing()
@@ -151,15 +150,18 @@ class NcclTransport(Transport):
                 logger.info(
                     "weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e
                 )
-        # both ends of a link must post alike (a group and a single operation go through
-        # different communicators, and would wait for each other beyond any timeout)
+        # $WEIGHTBUS_NCCL_GROUPS=0: one operation a group (which group a link's operations
+        # share is agreed per link at connect: Transport.groups_with)
+        self._group = self._coalesce and bool(env_int("WEIGHTBUS_NCCL_GROUPS", 1))
+        # both ends of a link must post alike: a group (even of one) and an operation alone
+        # go through different communicators, and would wait for each other beyond any timeout
         try:
             control.agree("nccl posting", "groups" if self._coalesce else "singly", self.timeout)
         except PlanMismatch as e:
             raise PlanMismatch(
-                f"nccl: participants would post differently ({e.groups}): set "
-                "$WEIGHTBUS_NCCL_GROUPS alike on every participant (0 or unset) and run the "
-                "same PyTorch on each",
+                f"nccl: participants would post differently ({e.groups}): those posting "
+                "singly run a PyTorch whose ProcessGroupNCCL has no groups; run the same "
+                "PyTorch on each",
                 e.groups,
             ) from None
         # every link's communicator, by an operation posted as a sync posts them, the links
@@ -211,8 +213,9 @@ class NcclTransport(Transport):
         group (:meth:`_post_on`): more than one as one NCCL group (a launch for all; on 2 x
         H200 Llama-3-8B's 291 tensors, in groups of 8 to 32, took 44.9 ms against 47.6 for a
         send each, and 3-5 ms of host time against 26), which completes at once, with one
-        event. Where PyTorch has no groups, each alone."""
-        if len(handles) > 1 and not self._coalesce:
+        event. With ``$WEIGHTBUS_NCCL_GROUPS=0``, or where PyTorch has no groups, each
+        through :meth:`_send` / :meth:`_recv`."""
+        if len(handles) > 1 and not self._group:
             super()._issue_many(handles, bufs)  # each through _send / _recv
             return
         assert self._poller is not None
@@ -228,7 +231,7 @@ class NcclTransport(Transport):
         self._poller.add_many(handles)
 
     def groups_with(self, peer: Participant | str | int) -> bool:
-        return self._coalesce
+        return self._group
 
     def _side(self, handle: Handle) -> tuple[int, torch.cuda.Stream]:
         """``handle``'s peer (global rank) and the side stream its operations go through,
