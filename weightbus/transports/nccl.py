@@ -89,7 +89,6 @@ class NcclTransport(Transport):
             raise TypeError(f"nccl: unknown options {sorted(fields)}")
         self._links: dict[int, Any] = {}
         """Per peer (global rank): the ProcessGroupNCCL of this participant and that peer."""
-        self._rank = -1
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -127,7 +126,6 @@ class NcclTransport(Transport):
         )
         self._device = cuda_device(me)
         torch.cuda.set_device(self._device)
-        self._rank = roster.global_rank(me.name)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
         store = control.substore("nccl")
@@ -176,7 +174,7 @@ class NcclTransport(Transport):
         logger.debug(
             "weightbus nccl: %s connected (rank %d, %d links) in %.2f s",
             me.name,
-            self._rank,
+            roster.global_rank(me.name),
             len(self._links),
             time.monotonic() - t0,
         )
