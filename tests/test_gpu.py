@@ -41,6 +41,22 @@ def test_nccl_transport_contract_one_link():
     )
 
 
+@_needs(2)
+@pytest.mark.timeout(180)
+def test_nccl_transport_contract_processes_sharing_gpus():
+    """Both writers on cuda:0, both readers on cuda:1: every link joins two GPUs, so NCCL
+    serves the job (a group per link); bit exact."""
+    from tests.transport_contract import run_contract
+
+    shared = {
+        "writer-0": "cuda:0",
+        "writer-1": "cuda:0",
+        "reader-0": "cuda:1",
+        "reader-1": "cuda:1",
+    }
+    run_contract("nccl", devices=shared, timeout_s=120)
+
+
 @_needs(4)
 @pytest.mark.timeout(180)
 def test_nccl_peer_death_is_seen_by_everyone():

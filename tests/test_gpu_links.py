@@ -1,9 +1,16 @@
-"""GPU test: one job on one host mixing CUDA IPC and NCCL, chosen per link.
+"""GPU tests: one job on one host mixing CUDA IPC and NCCL, chosen per link.
 
-writer-0 on cuda:0; reader-0 colocated with it on cuda:0 (a same_gpu link: CUDA IPC, chosen
-automatically); reader-1 and reader-2 on cuda:1 and cuda:2 (same_host links, forced to NCCL
-with ``SyncConfig(transport={"same_host": "nccl"})``). Every participant is a process of its
-own; the readers' tensors are poisoned (NaN) before every sync and compared bit for bit.
+Engine replicas: writer-0 on cuda:0; reader-0 colocated with it on cuda:0 (a same_gpu link:
+CUDA IPC, chosen automatically); reader-1 and reader-2 on cuda:1 and cuda:2 (same_host links,
+forced to NCCL with ``SyncConfig(transport={"same_host": "nccl"})``).
+
+Colocated resharding: FSDP writers on cuda:0 and cuda:1, tensor-parallel readers on cuda:0 and
+cuda:2, every reader reading from both writers. writer-0 and reader-0 share cuda:0 (CUDA IPC
+between them) and are both in the NCCL links' group (writer-0 -> reader-1, writer-1 ->
+reader-0), which NCCL joins pair by pair and never the two of cuda:0.
+
+Every participant is a process of its own; the readers' tensors are poisoned (NaN) before
+every sync and compared bit for bit.
 
 Marked ``gpu``; skipped without 3 CUDA GPUs. Run with ``python -m pytest -m gpu
 tests/test_gpu_links.py``.
@@ -25,7 +32,8 @@ pytestmark = pytest.mark.gpu
 
 MODEL = "tiny-llama"
 SYNCS = 3
-READERS = {"reader-0": 0, "reader-1": 1, "reader-2": 2}  # name -> GPU
+# per job: writers' GPUs, readers' GPUs, readers' tensor-parallel size (1: replicas)
+JOBS = {"replicas": ([0], [0, 1, 2], 1), "colocated": ([0, 1], [0, 2], 2)}
 
 
 def _canonical(model, version: int, device) -> dict[str, torch.Tensor]:
@@ -36,8 +44,9 @@ def _canonical(model, version: int, device) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(role: str, rank: int, gpu: int, port: int, job: str, q) -> None:
+def _worker(role: str, rank: int, gpu: int, port: int, job: str, shape: str, q) -> None:
     name = f"{role}-{rank}"
+    writer_gpus, reader_gpus, tp = JOBS[shape]
     try:
         from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
         from weightbus.layouts.families import model_spec
@@ -50,13 +59,14 @@ def _worker(role: str, rank: int, gpu: int, port: int, job: str, q) -> None:
         model = model_spec(MODEL)
         me = Participant(role=role, rank=rank, device=str(device))
         if role == "writer":
-            layout = fsdp_layout(model, me, shard=1, shard_rank=0, dtype="bfloat16")
+            shard = len(writer_gpus)
+            layout = fsdp_layout(model, me, shard=shard, shard_rank=rank, dtype="bfloat16")
         else:
-            layout = engine_layout(model, me, tp=1, dtype="bfloat16")
+            layout = engine_layout(model, me, tp=tp, tp_rank=rank % tp, dtype="bfloat16")
         tensors = allocate(layout, device=device)
         control = ControlConfig(
-            num_writers=1,
-            num_readers=len(READERS),
+            num_writers=len(writer_gpus),
+            num_readers=len(reader_gpus),
             address=f"127.0.0.1:{port}",
             host_store=False,
             job=job,
@@ -110,18 +120,19 @@ def _worker(role: str, rank: int, gpu: int, port: int, job: str, q) -> None:
         q.put((name, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")
-@pytest.mark.timeout(300)
-def test_one_job_mixing_cuda_ipc_and_nccl_bit_exact():
+def _run(shape: str) -> dict:
+    """Run job ``shape`` of :data:`JOBS`, a process per participant; each one's report."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    job = f"gpu-links-{uuid.uuid4().hex[:6]}"
+    job = f"gpu-links-{shape}-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    who = [("writer", 0, 0)] + [("reader", int(n[-1]), g) for n, g in READERS.items()]
+    writer_gpus, reader_gpus, _ = JOBS[shape]
+    who = [("writer", r, g) for r, g in enumerate(writer_gpus)]
+    who += [("reader", r, g) for r, g in enumerate(reader_gpus)]
     procs = [
-        ctx.Process(target=_worker, args=(role, rank, gpu, store.port, job, q), daemon=True)
+        ctx.Process(target=_worker, args=(role, rank, gpu, store.port, job, shape, q), daemon=True)
         for role, rank, gpu in who
     ]
     for p in procs:
@@ -140,11 +151,28 @@ def test_one_job_mixing_cuda_ipc_and_nccl_bit_exact():
             p.join(30)
             if p.is_alive():
                 p.kill()
+    for r in range(len(reader_gpus)):
+        got = out[f"reader-{r}"]
+        assert got["off"] == [(v, 0) for v in range(1, SYNCS + 1)], (r, got["off"])
+        assert got["bytes"] == [got["want_bytes"]] * SYNCS, (r, got["bytes"])
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_one_job_mixing_cuda_ipc_and_nccl_bit_exact():
+    out = _run("replicas")
     assert out["writer-0"]["kind"] == "LinksTransport"
     assert out["writer-0"]["subs"] == ["cuda_ipc", "nccl"]
     assert out["reader-0"]["subs"] == ["cuda_ipc"]
     assert out["reader-1"]["subs"] == out["reader-2"]["subs"] == ["nccl"]
-    for name in READERS:
-        got = out[name]
-        assert got["off"] == [(v, 0) for v in range(1, SYNCS + 1)], (name, got["off"])
-        assert got["bytes"] == [got["want_bytes"]] * SYNCS, (name, got["bytes"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_colocated_resharding_over_cuda_ipc_and_nccl_bit_exact():
+    """writer-0 and reader-0 share cuda:0 and are both in the NCCL group (which NCCL used to
+    refuse): each pair of two GPUs gets a communicator, the pair of one GPU CUDA IPC."""
+    out = _run("colocated")
+    assert out["writer-0"]["subs"] == out["reader-0"]["subs"] == ["cuda_ipc", "nccl"]
+    assert out["writer-1"]["subs"] == out["reader-1"]["subs"] == ["nccl"]

@@ -42,6 +42,55 @@ def test_every_pair_is_one_link_alike_on_both_ends(writers, readers):
     assert all(sorted(r for _, r in ends) == [0, 1] for ends in seen.values()), seen
 
 
+def test_a_writer_and_a_reader_of_one_gpu_have_no_link():
+    """Colocated: writer i and reader i on GPU i (UUIDs; device strings alike), every writer
+    with every reader otherwise. Each pair of two GPUs is one link alike on both ends; a pair
+    of one GPU none (NCCL cannot join two ranks of one GPU; CUDA IPC serves them). Writers
+    sharing a GPU each keep their links to readers elsewhere."""
+    gpus = ["g0", "g1", "g2"]
+    roster = Roster.of(
+        [Participant(role="writer", rank=i, device="cuda:0", gpu=g) for i, g in enumerate(gpus)]
+        + [Participant(role="reader", rank=i, device="cuda:0", gpu=g) for i, g in enumerate(gpus)]
+    )
+    ends: dict[str, set[str]] = {}
+    for p in roster.all:
+        links = link_order(roster, p.name)
+        peers = {roster.all[peer].name for peer, _, _ in links}
+        other = "reader" if p.role == "writer" else "writer"
+        assert peers == {f"{other}-{i}" for i in range(3) if i != p.rank}, (p.name, peers)
+        for _, prefix, _ in links:
+            ends.setdefault(prefix, set()).add(p.name)
+    assert len(ends) == 6 and all(len(v) == 2 for v in ends.values()), ends
+    shared = Roster.of(
+        [Participant(role="writer", rank=i, device="cuda:0", gpu="g0") for i in range(2)]
+        + [Participant(role="reader", rank=i, device="cuda:1", gpu="g1") for i in range(2)]
+    )
+    assert [len(link_order(shared, p.name)) for p in shared.all] == [2, 2, 2, 2]
+
+
+def test_a_send_to_a_peer_without_a_link_names_both_and_why():
+    from weightbus.transports.base import Handle
+    from weightbus.transports.nccl import NcclTransport
+
+    roster = Roster.of(
+        [
+            Participant(role="writer", rank=0, device="cuda:0", gpu="g0"),
+            Participant(role="writer", rank=1, device="cuda:1", gpu="g1"),
+            Participant(role="reader", rank=0, device="cuda:0", gpu="g0"),
+        ]
+    )
+    t = NcclTransport()
+    t.roster, t.participant = roster, roster["writer-0"]
+    with pytest.raises(
+        ValueError, match=r"'reader-0' and 'writer-0' have no link.*GPU g0.*CUDA IPC"
+    ):
+        t._side(Handle("send", roster["reader-0"], 0, 1))
+    with pytest.raises(
+        ValueError, match=r"'writer-1' and 'writer-0' have no link.*not a writer and a reader"
+    ):
+        t._side(Handle("send", roster["writer-1"], 0, 1))
+
+
 class _Link:
     """A link's process group whose abort waits (up to ``wait_s``) for ``needs`` to abort
     first, as a communicator's teardown waits for the GPU where the other link's kernel spins

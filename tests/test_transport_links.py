@@ -214,6 +214,35 @@ def test_a_one_host_transport_serves_each_host_apart(gpus):
     assert two.single is None and [g[0] for g in two.groups()] == ["cuda_ipc", "cuda_ipc"]
 
 
+def test_colocated_trainer_and_engine_on_every_gpu_of_three_hosts(gpus):
+    """A trainer and an engine process on each GPU (one GPU on each of three hosts), every
+    engine reading from every trainer: CUDA IPC on each GPU, NCCL between the hosts, one NCCL
+    group of all six processes, each GPU's two in it (a link per writer-reader pair, none
+    between the two of one GPU). NCCL used to refuse a group holding two processes of one GPU,
+    which left such a job no transport."""
+    job = []
+    for h, gpu in enumerate((A, B, C)):
+        job += [_p(role, h, "cuda:0", gpu=gpu, host=f"h{h}") for role in ("writer", "reader")]
+    choice = choose_links(job)
+    assert [g for g in choice.groups() if g[0] == "cuda_ipc"] == [
+        ("cuda_ipc", (f"writer-{h}", f"reader-{h}")) for h in range(3)
+    ]
+    nccl = [g for g in choice.groups() if g[0] == "nccl"]
+    assert nccl == [("nccl", tuple(f"{r}-{h}" for r in ("writer", "reader") for h in range(3)))]
+    assert {(x.writer, x.reader) for x in choice.links if x.transport == "nccl"} == {
+        (f"writer-{w}", f"reader-{r}") for w in range(3) for r in range(3) if w != r
+    }
+    # nccl by name for every link still names the colocated pairs it cannot serve
+    with pytest.raises(ValueError, match=r"'nccl' was asked for but.*same_gpu"):
+        choose_links(job, transport="nccl")
+    # two engine replicas on one GPU, both reading from a trainer on another: nccl alone
+    replicas = [
+        _p("writer", 0, "cuda:0", gpu=A),
+        *(_p("reader", r, "cuda:1", gpu=B) for r in (0, 1)),
+    ]
+    assert choose_links(replicas, transport="nccl").single == "nccl"
+
+
 def test_one_transport_for_every_link_is_that_transport_alone(gpus):
     one_host = _gpu_job()[:3]
     t = select_transport(None, one_host)

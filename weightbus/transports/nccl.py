@@ -2,7 +2,10 @@
 
 Process groups of its own (``ProcessGroupNCCL``, one per link: below), built from prefixes of
 one store of the control plane's (never the default process group, so it works beside the
-trainer's and the engine's own groups), one GPU per process.
+trainer's and the engine's own groups), one GPU per process. The two ends of a link are on two
+GPUs; other processes may share a GPU (a trainer and an engine colocated on each GPU, engine
+replicas on one GPU), though processes on one GPU take turns on it, NCCL kernels included,
+unless the GPU runs MPS.
 
 How a send or receive completes: it is posted on NCCL's stream, the caller's current stream is
 made to wait for it (so a pack into, or unpack from, the same buffer is ordered after it on the
@@ -45,6 +48,7 @@ from weightbus.errors import PlanMismatch
 from weightbus.spec import Participant
 from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
+from weightbus.transports.links import link_class
 
 __all__ = ["NcclTransport"]
 
@@ -58,15 +62,21 @@ def link_order(roster: Roster, name: str) -> list[tuple[int, str, int]]:
     """Participant ``name``'s links, in the order every participant creates them (writer-reader
     pairs sorted by the writer's global rank, then the reader's): per link the peer's global
     rank, the link's store prefix (the same on both ends) and this end's rank in the link's
-    group (the writer 0, the reader 1)."""
+    group (the writer 0, the reader 1).
+
+    A writer and a reader on one GPU have no link: NCCL cannot join two ranks of one GPU, and
+    the choice of transports never gives nccl their link (``carries("same_gpu")`` is False;
+    CUDA IPC serves it, or nothing where they exchange no bytes). Both ends tell so alike, from
+    the roster's GPU identities."""
     me = roster[name]
-    writers = [roster.global_rank(p.name) for p in roster.all if p.role == "writer"]
-    readers = [roster.global_rank(p.name) for p in roster.all if p.role == "reader"]
+    writers = [p for p in roster.all if p.role == "writer"]
+    readers = [p for p in roster.all if p.role == "reader"]
     mine = roster.global_rank(name)
     out = []
-    for w in writers:
-        for r in readers:
-            if mine in (w, r):
+    for writer in writers:
+        for reader in readers:
+            w, r = roster.global_rank(writer.name), roster.global_rank(reader.name)
+            if mine in (w, r) and link_class(writer, reader) != "same_gpu":
                 out.append((r if me.role == "writer" else w, f"{w}-{r}", int(mine == r)))
     return out
 
@@ -104,16 +114,8 @@ class NcclTransport(Transport):
             return "nccl links CUDA devices only, some participants are on " + ", ".join(
                 sorted({p.device for p in people if torch.device(p.device).type != "cuda"})
             )
-        seen: dict[tuple[str, str], str] = {}
-        for p in people:
-            # one GPU by its UUID (device strings differ with CUDA_VISIBLE_DEVICES)
-            key = (p.host, p.gpu or str(cuda_device(p)))
-            if key in seen:
-                return (
-                    f"nccl cannot link two processes on one GPU ({seen[key]!r} and {p.name!r} on "
-                    f"{key[1]} of {key[0]}): use CUDA IPC for colocated participants"
-                )
-            seen[key] = p.name
+        # processes sharing a GPU are accepted: a link of two of them is refused as a link
+        # (carries("same_gpu") is False), and link_order gives such a pair no link
         return None
 
     def _connect(self) -> None:
@@ -241,10 +243,15 @@ class NcclTransport(Transport):
         assert self.roster is not None
         peer = self.roster.global_rank(handle.peer.name)
         if peer not in self._links:
-            raise ValueError(
-                f"nccl: {handle.peer.name!r} and this participant are not a writer "
-                "and a reader: nccl links each writer with each reader only"
+            me = self.participant
+            assert me is not None
+            why = (
+                f"are both on GPU {handle.peer.gpu or handle.peer.device} of "
+                f"{handle.peer.host}: use CUDA IPC for colocated participants"
+                if handle.peer.role != me.role
+                else "are not a writer and a reader: nccl links each writer with each reader"
             )
+            raise ValueError(f"nccl: {handle.peer.name!r} and {me.name!r} have no link: they {why}")
         side = self._streams.get(peer)
         if side is None:
             side = self._streams[peer] = torch.cuda.Stream(self._device)
