@@ -232,9 +232,15 @@ def test_colocated_trainer_and_engine_on_every_gpu_of_three_hosts(gpus):
     assert {(x.writer, x.reader) for x in choice.links if x.transport == "nccl"} == {
         (f"writer-{w}", f"reader-{r}") for w in range(3) for r in range(3) if w != r
     }
-    # nccl by name for every link still names the colocated pairs it cannot serve
-    with pytest.raises(ValueError, match=r"'nccl' was asked for but.*same_gpu"):
+    # one transport by name for every link: refused, naming what it cannot serve and the fix
+    # (no single transport serves both classes; one per class, where it serves one)
+    per_class = r"no one transport serves every link.*per link class \(same_gpu, cross_host\)"
+    with pytest.raises(ValueError, match=rf"'nccl' was asked for but.*same_gpu.*{per_class}"):
         choose_links(job, transport="nccl")
+    with pytest.raises(ValueError, match=rf"{per_class}, e\.g\..*'same_gpu': 'cuda_ipc'"):
+        choose_links(job, transport="cuda_ipc")
+    with pytest.raises(ValueError, match=rf"gloo moves \['cpu'\].*{per_class}$"):
+        choose_links(job, transport="gloo")
     # two engine replicas on one GPU, both reading from a trainer on another: nccl alone
     replicas = [
         _p("writer", 0, "cuda:0", gpu=A),

@@ -381,14 +381,19 @@ def _cannot(name: str, kind: str) -> str:
     return f"{name} does not carry {kind} links ({LINK_CLASSES[kind]})"
 
 
-def _fits(people: Sequence[Participant], push_only: bool = False) -> list[str]:
-    """Transports that could serve the whole job alone (priority >= 0)."""
+def _fits(
+    people: Sequence[Participant],
+    push_only: bool = False,
+    pairs: Sequence[tuple[Participant, Participant]] = (),
+) -> list[str]:
+    """Transports that could serve the whole job alone (priority >= 0), ``pairs`` its links."""
     return [
         n
         for n in available_transports()
         if transport_class(n).priority >= 0
         and not (push_only and transport_class(n).pulls)
         and transport_class(n).unsupported(people) is None
+        and all(transport_class(n).carries(link_class(w, r)) for w, r in pairs)
     ]
 
 
@@ -465,9 +470,20 @@ def choose_links(
         if reason is None and odd:
             reason = f"{_cannot(asked, link_class(*odd[0]))}: {_show(odd)}"
         if reason is not None:
-            raise ValueError(
-                f"transport {asked!r} was asked for but {reason}; these fit: {_fits(people)}"
-            )
+            fits = _fits(people, pairs=pairs)
+            kinds = sorted({link_class(w, r) for w, r in pairs}, key=list(LINK_CLASSES).index)
+            instead = f"these fit: {fits}"
+            if not fits and kinds:
+                # none alone: one per link class, where this one serves some of them
+                carried = [k for k in kinds if cls.carries(k)]
+                e_g = (
+                    f", e.g. SyncConfig.transport={{{carried[-1]!r}: {asked!r}}}" if carried else ""
+                )
+                instead = (
+                    "no one transport serves every link: leave it automatic, or name one per "
+                    f"link class ({', '.join(kinds)}){e_g}"
+                )
+            raise ValueError(f"transport {asked!r} was asked for but {reason}; {instead}")
         return LinkChoice(
             participants=tuple(people),
             links=tuple(Link(w.name, r.name, link_class(w, r), asked) for w, r in pairs),
