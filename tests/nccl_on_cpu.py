@@ -137,10 +137,16 @@ class _GlooAsNccl:
     the current (stand-in) stream, a group's as they are posted."""
 
     class Options:
-        _timeout: Any = None
+        def __init__(self) -> None:
+            self._timeout: Any = None
+            self.config = types.SimpleNamespace(max_ctas=-1)  # -1: NCCL's choice
+
+    channels: dict[str, int] = {}
+    """Per store prefix of the groups made in this process: the channels asked for."""
 
     def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
         self._rank = rank
+        type(self).channels[getattr(store, "prefix", "?")] = options.config.max_ctas
         self._pg = dist.ProcessGroupGloo(store, rank, size, options._timeout)
         self._grouped: int | None = None  # operations in the open group
 
@@ -178,11 +184,19 @@ class _GlooAsNccl:
         pass
 
 
+class _PrefixStore(dist.PrefixStore):
+    """A PrefixStore that says its prefix (the link it was made for)."""
+
+    def __init__(self, prefix: str, store: Any) -> None:
+        super().__init__(prefix, store)
+        self.prefix = prefix
+
+
 def stand_ins() -> dict[str, Any]:
     """The nccl module's names and their stand-ins."""
     return {
         "torch": _Torch(cuda=_CUDA),
-        "dist": types.SimpleNamespace(ProcessGroupNCCL=_GlooAsNccl, PrefixStore=dist.PrefixStore),
+        "dist": types.SimpleNamespace(ProcessGroupNCCL=_GlooAsNccl, PrefixStore=_PrefixStore),
         "cuda_device": lambda p: torch.device("cpu"),
     }
 

@@ -91,6 +91,50 @@ def test_a_send_to_a_peer_without_a_link_names_both_and_why():
         t._side(Handle("send", roster["writer-1"], 0, 1))
 
 
+@pytest.mark.parametrize(
+    "writers,readers,budget,want",
+    [
+        (1, 1, 32, 32),
+        (1, 3, 32, 10),
+        (2, 2, 32, 16),
+        (8, 8, 32, 4),
+        (1, 64, 32, 2),
+        (4, 2, 8, 2),
+        (1, 2, 1, 1),
+    ],
+)
+def test_channels_split_among_the_links_of_the_busier_end(writers, readers, budget, want):
+    """Each link gets the budget over the links of its busier end (at least 2, never more than
+    the budget), so one participant's links together ask about the budget, alike on both ends
+    (keyed by the link's prefix)."""
+    from weightbus.transports.nccl import link_channels
+
+    roster = Roster.of(
+        [Participant(role="writer", rank=i, device=f"cuda:{i}") for i in range(writers)]
+        + [Participant(role="reader", rank=i, device=f"cuda:{writers + i}") for i in range(readers)]
+    )
+    got = link_channels(roster, budget)
+    prefixes = {prefix for p in roster.all for _, prefix, _ in link_order(roster, p.name)}
+    assert set(got) == prefixes
+    assert set(got.values()) == {want}, got
+    assert link_channels(roster, 0) == {}
+
+
+def test_channels_count_only_links():
+    """Colocated pairs have no link, so they take none of the split: writer-0 on g0 and
+    readers on g0 and g1 has one link, of the whole budget."""
+    from weightbus.transports.nccl import link_channels
+
+    roster = Roster.of(
+        [
+            Participant(role="writer", rank=0, device="cuda:0", gpu="g0"),
+            Participant(role="reader", rank=0, device="cuda:0", gpu="g0"),
+            Participant(role="reader", rank=1, device="cuda:1", gpu="g1"),
+        ]
+    )
+    assert link_channels(roster, 32) == {"0-2": 32}
+
+
 class _Link:
     """A link's process group whose abort waits (up to ``wait_s``) for ``needs`` to abort
     first, as a communicator's teardown waits for the GPU where the other link's kernel spins

@@ -131,7 +131,11 @@ def test_writer_and_readers_over_the_nccl_logic_are_bit_exact(nccl_stand_ins, mo
 
     monkeypatch.setattr(nccl_stand_ins, "_end_coalescing", end)
     monkeypatch.setattr(
-        nccl, "env_int", lambda name, default: 0 if _marked() else real_env(name, default)
+        nccl,
+        "env_int",
+        lambda name, default: (
+            0 if _marked() and name == "WEIGHTBUS_NCCL_GROUPS" else real_env(name, default)
+        ),
     )
     extra = {"delta": DeltaConfig(checksum_every=2)} if case == "delta" else {}
     out = _job(syncs, extra, marked="reader-1" if case == "reader-1 ungrouped" else None)
@@ -170,3 +174,43 @@ def test_ends_that_would_post_differently_fail_at_connect(nccl_stand_ins, monkey
         assert isinstance(got, PlanMismatch), (name, got)
         assert "same PyTorch" in str(got) and "reader-1" in str(got), (name, got)
     assert nccl_stand_ins.groups == 0  # nothing was posted
+
+
+@pytest.mark.timeout(120)
+def test_each_link_asks_its_share_of_the_channels(nccl_stand_ins, monkeypatch):
+    """Writer-0's two links (to the two readers) ask 32 / 2 channels each; with
+    $WEIGHTBUS_NCCL_CHANNELS=0 on every participant, NCCL's own choice (nothing set)."""
+    nccl_stand_ins.channels.clear()
+    out = _job(1)
+    assert all(not isinstance(got, BaseException) for got in out.values()), out
+    assert sorted(nccl_stand_ins.channels.items()) == [("0-1", 16), ("0-2", 16)]
+    nccl_stand_ins.channels.clear()
+    monkeypatch.setenv("WEIGHTBUS_NCCL_CHANNELS", "0")
+    out = _job(1)
+    assert all(not isinstance(got, BaseException) for got in out.values()), out
+    assert sorted(nccl_stand_ins.channels.items()) == [("0-1", -1), ("0-2", -1)]
+    monkeypatch.setenv("WEIGHTBUS_NCCL_CHANNELS", "-4")
+    out = _job(1)
+    for name, got in out.items():
+        assert isinstance(got, ValueError) and "WEIGHTBUS_NCCL_CHANNELS=-4" in str(got), (name, got)
+
+
+@pytest.mark.timeout(120)
+def test_ends_that_would_ask_different_channels_fail_at_connect(nccl_stand_ins, monkeypatch):
+    """Both ends of a link must ask NCCL for the same channels: one reader with another
+    $WEIGHTBUS_NCCL_CHANNELS makes every participant raise at connect, naming the variable."""
+    from weightbus.errors import PlanMismatch
+    from weightbus.transports import nccl
+
+    real_env = nccl.env_int
+    monkeypatch.setattr(
+        nccl,
+        "env_int",
+        lambda name, default: (
+            8 if _marked() and name == "WEIGHTBUS_NCCL_CHANNELS" else real_env(name, default)
+        ),
+    )
+    out = _job(1, marked="reader-1")
+    for name, got in out.items():
+        assert isinstance(got, PlanMismatch), (name, got)
+        assert "$WEIGHTBUS_NCCL_CHANNELS" in str(got) and "reader-1" in str(got), (name, got)

@@ -30,6 +30,12 @@ against 46.3 with groups on 2 x H200, when groups came); the ends of each link a
 connect on which operations share a group (``Transport.groups_with``), so the setting may
 differ between participants. A PyTorch without groups posts every operation alone, through
 another communicator: participants agree at connect that they all group, or none does.
+
+A communicator's buffers grow with its channels, and NCCL gives a link of two ranks all it
+can (32 on H200s over NVLink: 260 MiB of the sender's GPU, 516 of the receiver's). So each
+link asks for a share of :data:`CHANNELS` per participant (``maxCTAs``), split among the links
+of its busier end: a participant's links together hold about one link's buffers, and, since
+links run side by side, move about as much (the figures at :data:`CHANNELS`).
 """
 
 from __future__ import annotations
@@ -56,6 +62,49 @@ logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 5.0
 """How long :meth:`NcclTransport._abort` waits for its links' communicators to abort."""
+CHANNELS = 32
+"""Channels (an SM and a set of buffers each) that a participant's NCCL links may use
+together: each link may use this many divided by the links of its busier end, at least
+:data:`LINK_CHANNELS_MIN` (``ncclConfig_t.maxCTAs``; ``$WEIGHTBUS_NCCL_CHANNELS``, the same on
+every participant; 0: NCCL's own choice per link). A communicator's buffers grow with its
+channels, so a link with NCCL's choice costs the same memory however many links there are:
+on 2 x H200 (NCCL 2.28, NVLink), per two-rank communicator, 260 MiB on the sender's GPU and
+516 MiB on the receiver's with NCCL's choice (the same as 32), 132 and 260 with 16, 60 and
+132 with 8, 36 and 68 with 4, 20 and 26 with 2; one link moved 357-365 GB/s with 32 or
+NCCL's choice, 350 with 16, 263 with 8, 131 with 4, 68 with 2, and four links at once (a
+quarter of 1 GiB each) 346-359 GB/s with 32 or NCCL's choice, 345 with 16, 349 with 8, 317
+with 4. So a reader of 8 writers held 4 GiB of NCCL buffers (and of 64, 32 GiB); with the
+split, 8 links of 4 channels hold 544 MiB and one link keeps NCCL's choice."""
+LINK_CHANNELS_MIN = 2
+"""The fewest channels a link gets from the split of :data:`CHANNELS`."""
+
+
+def _pairs(roster: Roster):
+    """Every writer-reader pair that is a link: (writer's global rank, reader's), in the global
+    order of :func:`link_order`."""
+    writers = [p for p in roster.all if p.role == "writer"]
+    readers = [p for p in roster.all if p.role == "reader"]
+    for writer in writers:
+        for reader in readers:
+            if link_class(writer, reader) != "same_gpu":
+                yield roster.global_rank(writer.name), roster.global_rank(reader.name)
+
+
+def link_channels(roster: Roster, budget: int) -> dict[str, int]:
+    """Per link (its store prefix, as in :func:`link_order`): the channels it may use, of
+    ``budget`` per participant (:data:`CHANNELS`) split among the links of its busier end;
+    empty where ``budget`` is 0 (NCCL's own choice). The same on both ends of every link."""
+    if budget <= 0:
+        return {}
+    pairs = list(_pairs(roster))
+    count: dict[int, int] = {}
+    for w, r in pairs:
+        count[w] = count.get(w, 0) + 1
+        count[r] = count.get(r, 0) + 1
+    return {
+        f"{w}-{r}": max(min(LINK_CHANNELS_MIN, budget), budget // max(count[w], count[r]))
+        for w, r in pairs
+    }
 
 
 def link_order(roster: Roster, name: str) -> list[tuple[int, str, int]]:
@@ -69,16 +118,12 @@ def link_order(roster: Roster, name: str) -> list[tuple[int, str, int]]:
     CUDA IPC serves it, or nothing where they exchange no bytes). Both ends tell so alike, from
     the roster's GPU identities."""
     me = roster[name]
-    writers = [p for p in roster.all if p.role == "writer"]
-    readers = [p for p in roster.all if p.role == "reader"]
     mine = roster.global_rank(name)
-    out = []
-    for writer in writers:
-        for reader in readers:
-            w, r = roster.global_rank(writer.name), roster.global_rank(reader.name)
-            if mine in (w, r) and link_class(writer, reader) != "same_gpu":
-                out.append((r if me.role == "writer" else w, f"{w}-{r}", int(mine == r)))
-    return out
+    return [
+        (r if me.role == "writer" else w, f"{w}-{r}", int(mine == r))
+        for w, r in _pairs(roster)
+        if mine in (w, r)
+    ]
 
 
 @register_transport
@@ -128,13 +173,37 @@ class NcclTransport(Transport):
         )
         self._device = cuda_device(me)
         torch.cuda.set_device(self._device)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = self.timeout
+        # the channels of each link: both ends must ask alike, so every participant splits
+        # the same budget (a PyTorch that cannot set them takes NCCL's choice: 0)
+        budget = env_int("WEIGHTBUS_NCCL_CHANNELS", CHANNELS)
+        if budget < 0:
+            raise ValueError(
+                f"$WEIGHTBUS_NCCL_CHANNELS={budget}: channels a participant's links share "
+                f"(default {CHANNELS}), or 0 for NCCL's own choice"
+            )
+        config = getattr(dist.ProcessGroupNCCL.Options(), "config", None)
+        if budget and not hasattr(config, "max_ctas"):
+            logger.info("weightbus nccl: this PyTorch cannot cap NCCL's channels: NCCL's choice")
+            budget = 0
+        try:
+            control.agree("nccl channels", str(budget), self.timeout)
+        except PlanMismatch as e:
+            raise PlanMismatch(
+                f"nccl: participants would give their links different channels ({e.groups}; "
+                "0: NCCL's choice, where $WEIGHTBUS_NCCL_CHANNELS=0 or PyTorch cannot set "
+                "them): set the same $WEIGHTBUS_NCCL_CHANNELS on each, and the same PyTorch",
+                e.groups,
+            ) from None
+        channels = link_channels(roster, budget)
         store = control.substore("nccl")
         # every link's group (creating one is local: its communicator comes with its first
         # operation), the writer rank 0, under the link's own prefix of one store
         links = link_order(roster, me.name)
         for peer, prefix, rank in links:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            if prefix in channels:
+                options.config.max_ctas = channels[prefix]
             self._links[peer] = dist.ProcessGroupNCCL(
                 dist.PrefixStore(prefix, store), rank, 2, options
             )
