@@ -333,3 +333,17 @@ def test_demo_runs_and_checks_and_status_watches_it():
     names = sorted(p["name"] for p in seen["participants"])
     assert names == ["reader-0", "writer-0", "writer-1"], names
     assert seen["last_sync"]["bytes"] > 0 and seen["committed"] >= 1, seen
+
+
+def test_bench_links_checks_its_flags_then_wants_two_gpus():
+    out = _run("bench", "links", "--jobs", "2x")
+    assert out.returncode == 2 and "--jobs" in out.stderr and "integers" in out.stderr
+    out = _run("bench", "links", "--jobs", "0x4")
+    assert out.returncode == 2 and "both at least 1" in out.stderr
+    out = _run("bench", "links", "--budgets", "-1")
+    assert out.returncode == 2 and "0 (NCCL's choice) or more" in out.stderr
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        out = _run("bench", "links")
+        assert out.returncode == 2 and "needs 2 CUDA GPUs" in out.stderr

@@ -7,6 +7,7 @@ import sys
 SCENARIOS = {
     "plan": "planner scale: DeepSeek-V3-shaped model, 256 writers -> 128 readers, one CPU core",
     "gpu": "syncs between GPUs of this host (S1-S7, S4e) beside measured ceilings; needs CUDA",
+    "links": "what an NCCL link costs (GPU memory, GB/s) by its channels; needs 2 CUDA GPUs",
 }
 
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from weightbus.bench import plan_scale
 
         return plan_scale.main(argv[1:])
+    if argv[0] == "links":
+        from weightbus.bench import links
+
+        return links.main(argv[1:])
     from weightbus.bench import gpu
 
     return gpu.main(argv[1:])

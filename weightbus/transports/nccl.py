@@ -67,14 +67,18 @@ CHANNELS = 32
 together: each link may use this many divided by the links of its busier end, at least
 :data:`LINK_CHANNELS_MIN` (``ncclConfig_t.maxCTAs``; ``$WEIGHTBUS_NCCL_CHANNELS``, the same on
 every participant; 0: NCCL's own choice per link). A communicator's buffers grow with its
-channels, so a link with NCCL's choice costs the same memory however many links there are:
-on 2 x H200 (NCCL 2.28, NVLink), per two-rank communicator, 260 MiB on the sender's GPU and
-516 MiB on the receiver's with NCCL's choice (the same as 32), 132 and 260 with 16, 60 and
-132 with 8, 36 and 68 with 4, 20 and 26 with 2; one link moved 357-365 GB/s with 32 or
-NCCL's choice, 350 with 16, 263 with 8, 131 with 4, 68 with 2, and four links at once (a
-quarter of 1 GiB each) 346-359 GB/s with 32 or NCCL's choice, 345 with 16, 349 with 8, 317
-with 4. So a reader of 8 writers held 4 GiB of NCCL buffers (and of 64, 32 GiB); with the
-split, 8 links of 4 channels hold 544 MiB and one link keeps NCCL's choice."""
+channels, and NCCL gives every link of two ranks as many as it can, so with NCCL's choice a
+participant's NCCL memory grows with its links. Measured on 2 x H200 over NVLink, NCCL 2.28
+(``weightbus bench links``, ``bench/results/2026-11-28-2xh200-nccl-links-cost.json``): per
+two-rank communicator the sender's GPU held 245 MiB and the receiver's 517 with NCCL's choice,
+260 and 516 with 32, 116 and 260 with 16, 60 and 132 with 8, 36 and 68 with 4, 18 and 36 with
+2; one link moved 355 GB/s with NCCL's choice, 32 or 16 channels, 260 with 8, 130 with 4, 68
+with 2; four links at once (a quarter of 1 GiB each) 345 GB/s in all with NCCL's choice or 32,
+349 with 16, 353 with 8, 327 with 4, 250 with 2. In weightbus jobs over those two GPUs (a
+small model), a writer with 16 readers used 5214 MiB of its GPU with NCCL's choice and 1374
+with the split, a reader of 8 writers 5174 and 1590 (about 1 GiB of either is the CUDA
+context and PyTorch's). A participant with one link asks for 32, no fewer than NCCL chose
+there (S1 over NCCL took 47.0 ms with the split, as before)."""
 LINK_CHANNELS_MIN = 2
 """The fewest channels a link gets from the split of :data:`CHANNELS`."""
 
