@@ -141,12 +141,16 @@ class _GlooAsNccl:
             self._timeout: Any = None
             self.config = types.SimpleNamespace(max_ctas=-1)  # -1: NCCL's choice
 
-    channels: dict[str, int] = {}
-    """Per store prefix of the groups made in this process: the channels asked for."""
+    channels: dict[str, set[int]] = {}
+    """Per store prefix of the groups made in this process: the channels each end asked for."""
+
+    grouped: set[str] = set()
+    """Store prefixes of the groups made in this process that posted a group of operations."""
 
     def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
         self._rank = rank
-        type(self).channels[getattr(store, "prefix", "?")] = options.config.max_ctas
+        self._prefix = getattr(store, "prefix", "?")
+        type(self).channels.setdefault(self._prefix, set()).add(options.config.max_ctas)
         self._pg = dist.ProcessGroupGloo(store, rank, size, options._timeout)
         self._grouped: int | None = None  # operations in the open group
 
@@ -162,6 +166,8 @@ class _GlooAsNccl:
     def _end_coalescing(self) -> _Posted:
         if self._grouped is not None and self._grouped > 1:
             type(self).groups += 1
+        if self._grouped:
+            type(self).grouped.add(self._prefix)
         self._grouped = None
         return _Posted()
 

@@ -120,6 +120,23 @@ def test_channels_split_among_the_links_of_the_busier_end(writers, readers, budg
     assert link_channels(roster, 0) == {}
 
 
+def test_each_link_takes_the_smaller_offer_of_its_ends():
+    """Budgets per participant (global rank): writers 0 and 1, readers 2 and 3, every pair a
+    link (two each). Writer 0 offers 32 / 2, writer 1 has 0 (NCCL's choice: no limit), reader
+    2 offers 8 / 2, reader 3 the minimum of 2 from a budget of 3; a link of two unlimited ends
+    is left out, and so is one whose other end's budget is unknown."""
+    from weightbus.transports.nccl import link_channels
+
+    roster = Roster.of(
+        [Participant(role="writer", rank=i, device=f"cuda:{i}") for i in range(2)]
+        + [Participant(role="reader", rank=i, device=f"cuda:{2 + i}") for i in range(2)]
+    )
+    got = link_channels(roster, {0: 32, 1: 0, 2: 8, 3: 3})
+    assert got == {"0-2": 4, "0-3": 2, "1-2": 4, "1-3": 2}
+    assert link_channels(roster, {0: 0, 1: 0, 2: 0, 3: 0}) == {}
+    assert link_channels(roster, {0: 32, 2: 8}) == {"0-2": 4}
+
+
 def test_channels_count_only_links():
     """Colocated pairs have no link, so they take none of the split: writer-0 on g0 and
     readers on g0 and g1 has one link, of the whole budget."""

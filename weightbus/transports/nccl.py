@@ -15,8 +15,8 @@ wait notices through the control plane (failure report or stale heartbeat) and :
 aborts the communicators, every link's at once (:meth:`_abort`), which frees the GPU.
 
 Each writer-reader link has a ``ProcessGroupNCCL`` of its own, of two ranks (the writer 0),
-and every operation on it is posted the same way (as an NCCL group, where this PyTorch has
-them), so that each link uses one communicator and one NCCL stream: links never queue behind
+and every operation on it is posted the same way (as an NCCL group, where both ends' PyTorch
+have them), so that each link uses one communicator and one NCCL stream: links never queue behind
 each other, and posting never creates a communicator. (One process group of every participant
 would not do: PyTorch runs grouped point-to-point operations on that group's communicator of
 all ranks, created lazily by the first of them as a collective of every participant, so a
@@ -28,14 +28,17 @@ by pair in one global order, so the first sync pays nothing. ``$WEIGHTBUS_NCCL_G
 puts one operation in each group (S1 over NCCL took 48.7 ms with an NCCL call per bucket
 against 46.3 with groups on 2 x H200, when groups came); the ends of each link agree at
 connect on which operations share a group (``Transport.groups_with``), so the setting may
-differ between participants. A PyTorch without groups posts every operation alone, through
-another communicator: participants agree at connect that they all group, or none does.
+differ between participants. A PyTorch without groups posts every operation alone, which
+goes through another communicator than a group: the ends of each link tell each other at
+connect whether they can group, and a link posts groups only where both can, so a
+participant with another PyTorch (one joining a running job, say) slows its own links at most.
 
 A communicator's buffers grow with its channels, and NCCL gives a link of two ranks all it
 can (32 on H200s over NVLink: 260 MiB of the sender's GPU, 516 of the receiver's). So each
-link asks for a share of :data:`CHANNELS` per participant (``maxCTAs``), split among the links
-of its busier end: a participant's links together hold about one link's buffers, and, since
-links run side by side, move about as much (the figures at :data:`CHANNELS`).
+participant offers each of its links a share of its :data:`CHANNELS`, split among its links,
+and a link asks NCCL for the smaller of its two ends' offers (``maxCTAs``; the ends tell each
+other theirs at connect): a participant's links together hold about one link's buffers, and,
+since links run side by side, move about as much (the figures at :data:`CHANNELS`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,7 +54,6 @@ import torch.distributed as dist
 
 from weightbus._env import env_int
 from weightbus.control.store import Roster
-from weightbus.errors import PlanMismatch
 from weightbus.spec import Participant
 from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
@@ -64,9 +67,10 @@ ABORT_WAIT_S = 5.0
 """How long :meth:`NcclTransport._abort` waits for its links' communicators to abort."""
 CHANNELS = 32
 """Channels (an SM and a set of buffers each) that a participant's NCCL links may use
-together: each link may use this many divided by the links of its busier end, at least
-:data:`LINK_CHANNELS_MIN` (``ncclConfig_t.maxCTAs``; ``$WEIGHTBUS_NCCL_CHANNELS``, the same on
-every participant; 0: NCCL's own choice per link). A communicator's buffers grow with its
+together: each link may use this many divided by the participant's links, at least
+:data:`LINK_CHANNELS_MIN`, or its other end's share where smaller (``ncclConfig_t.maxCTAs``;
+``$WEIGHTBUS_NCCL_CHANNELS``, which may differ between participants; 0: no limit of this
+end's, NCCL's own choice where the other end sets none either). A communicator's buffers grow with its
 channels, and NCCL gives every link of two ranks as many as it can, so with NCCL's choice a
 participant's NCCL memory grows with its links. Measured on 2 x H200 over NVLink, NCCL 2.28
 (``weightbus bench links``, ``bench/results/2026-11-28-2xh200-nccl-links-cost.json``): per
@@ -94,21 +98,33 @@ def _pairs(roster: Roster):
                 yield roster.global_rank(writer.name), roster.global_rank(reader.name)
 
 
-def link_channels(roster: Roster, budget: int) -> dict[str, int]:
-    """Per link (its store prefix, as in :func:`link_order`): the channels it may use, of
-    ``budget`` per participant (:data:`CHANNELS`) split among the links of its busier end;
-    empty where ``budget`` is 0 (NCCL's own choice). The same on both ends of every link."""
-    if budget <= 0:
-        return {}
+def link_channels(roster: Roster, budgets: int | Mapping[int, int]) -> dict[str, int]:
+    """Per link (its store prefix, as in :func:`link_order`): the channels it may use. Each
+    end offers a share of its budget (:data:`CHANNELS`; per participant by global rank, or
+    one for all) split among its own links, at least :data:`LINK_CHANNELS_MIN` and at most
+    the budget; the link takes the smaller offer, so both ends, knowing both budgets, ask
+    NCCL alike. An end whose budget is 0 offers no limit (NCCL's own choice); a link without
+    a limit, or with an end whose budget is not given, is left out."""
     pairs = list(_pairs(roster))
     count: dict[int, int] = {}
     for w, r in pairs:
         count[w] = count.get(w, 0) + 1
         count[r] = count.get(r, 0) + 1
-    return {
-        f"{w}-{r}": max(min(LINK_CHANNELS_MIN, budget), budget // max(count[w], count[r]))
-        for w, r in pairs
-    }
+
+    def offer(end: int) -> int | None:
+        budget = budgets if isinstance(budgets, int) else budgets[end]
+        if budget <= 0:
+            return None
+        return max(min(LINK_CHANNELS_MIN, budget), budget // count[end])
+
+    out = {}
+    for w, r in pairs:
+        if not isinstance(budgets, int) and not (w in budgets and r in budgets):
+            continue
+        offers = [x for x in (offer(w), offer(r)) if x is not None]
+        if offers:
+            out[f"{w}-{r}"] = min(offers)
+    return out
 
 
 def link_order(roster: Roster, name: str) -> list[tuple[int, str, int]]:
@@ -151,7 +167,9 @@ class NcclTransport(Transport):
         self._poller: EventPoller | None = None
         self._device: torch.device | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._coalesce = False  # post every operation as an NCCL group (where PyTorch can)
+        self._coalesce = False  # this PyTorch can post NCCL groups
+        self._grouped: dict[int, bool] = {}
+        """Per peer (global rank): the link's operations go as NCCL groups (both ends can)."""
         self._group = False  # several operations to a peer in one group ($WEIGHTBUS_NCCL_GROUPS)
 
     @classmethod
@@ -177,8 +195,10 @@ class NcclTransport(Transport):
         )
         self._device = cuda_device(me)
         torch.cuda.set_device(self._device)
-        # the channels of each link: both ends must ask alike, so every participant splits
-        # the same budget (a PyTorch that cannot set them takes NCCL's choice: 0)
+        links = link_order(roster, me.name)
+        peers = [roster.all[peer].name for peer, _, _ in links]
+        # the channels of each link, from both ends' budgets: each end's share of its own
+        # (per its links), the smaller of the two, so that both ends ask NCCL alike
         budget = env_int("WEIGHTBUS_NCCL_CHANNELS", CHANNELS)
         if budget < 0:
             raise ValueError(
@@ -189,20 +209,13 @@ class NcclTransport(Transport):
         if budget and not hasattr(config, "max_ctas"):
             logger.info("weightbus nccl: this PyTorch cannot cap NCCL's channels: NCCL's choice")
             budget = 0
-        try:
-            control.agree("nccl channels", str(budget), self.timeout)
-        except PlanMismatch as e:
-            raise PlanMismatch(
-                f"nccl: participants would give their links different channels ({e.groups}; "
-                "0: NCCL's choice, where $WEIGHTBUS_NCCL_CHANNELS=0 or PyTorch cannot set "
-                "them): set the same $WEIGHTBUS_NCCL_CHANNELS on each, and the same PyTorch",
-                e.groups,
-            ) from None
-        channels = link_channels(roster, budget)
+        budgets = {roster.global_rank(me.name): budget}
+        for name, said in self._exchange("nccl channels", {"channels": budget}, peers).items():
+            budgets[roster.global_rank(name)] = said["channels"]
+        channels = link_channels(roster, budgets)
         store = control.substore("nccl")
         # every link's group (creating one is local: its communicator comes with its first
         # operation), the writer rank 0, under the link's own prefix of one store
-        links = link_order(roster, me.name)
         for peer, prefix, rank in links:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
@@ -223,20 +236,17 @@ class NcclTransport(Transport):
                 logger.info(
                     "weightbus nccl: no NCCL groups in this PyTorch (%s): posting singly", e
                 )
+        # both ends of a link must post alike: a group (even of one) and an operation alone
+        # go through different communicators, and would wait for each other beyond any
+        # timeout. A link groups where both ends' PyTorch can
+        said = self._exchange("nccl posting", {"groups": self._coalesce}, peers)
+        self._grouped = {
+            roster.global_rank(name): self._coalesce and theirs["groups"]
+            for name, theirs in said.items()
+        }
         # $WEIGHTBUS_NCCL_GROUPS=0: one operation a group (which group a link's operations
         # share is agreed per link at connect: Transport.groups_with)
-        self._group = self._coalesce and bool(env_int("WEIGHTBUS_NCCL_GROUPS", 1))
-        # both ends of a link must post alike: a group (even of one) and an operation alone
-        # go through different communicators, and would wait for each other beyond any timeout
-        try:
-            control.agree("nccl posting", "groups" if self._coalesce else "singly", self.timeout)
-        except PlanMismatch as e:
-            raise PlanMismatch(
-                f"nccl: participants would post differently ({e.groups}): those posting "
-                "singly run a PyTorch whose ProcessGroupNCCL has no groups; run the same "
-                "PyTorch on each",
-                e.groups,
-            ) from None
+        self._group = bool(env_int("WEIGHTBUS_NCCL_GROUPS", 1))
         # every link's communicator, by an operation posted as a sync posts them, the links
         # in one global order (link_order): two ranks make a link's communicator together,
         # so the order keeps any two participants from waiting on each other
@@ -244,24 +254,38 @@ class NcclTransport(Transport):
         one = torch.zeros(1, dtype=torch.uint8, device=self._device)
         op = "send" if me.role == "writer" else "recv"
         for peer, _, _ in links:
-            self._post_on(self._links[peer], op, [one]).wait()
+            self._post_on(peer, op, [one]).wait()
         torch.cuda.synchronize(self._device)
         logger.debug(
-            "weightbus nccl: %s connected (rank %d, %d links) in %.2f s",
+            "weightbus nccl: %s connected (rank %d, %d links, channels %s, grouped %s) in %.2f s",
             me.name,
             roster.global_rank(me.name),
             len(self._links),
+            [channels.get(prefix, "nccl") for _, prefix, _ in links],
+            sorted(p for p, g in self._grouped.items() if g),
             time.monotonic() - t0,
         )
 
-    def _post_on(self, link: Any, op: str, flats: list[torch.Tensor]) -> Any:
-        """Post ``flats`` to the other rank of ``link`` (its ProcessGroupNCCL) on the current
-        stream, as one NCCL group where this PyTorch has them (even one operation: a link's
-        operations all go through one communicator so), else the one operation alone;
-        returns the work."""
+    def _exchange(self, topic: str, mine: dict, peers: list[str]) -> dict[str, dict]:
+        """Post ``mine`` under ``topic`` and return what each of ``peers`` (this participant's
+        links' other ends) posted there, each checked against ``mine``'s fields and kinds."""
+        assert self.control is not None
+        self.control.post(topic, mine)
+        if not peers:
+            return {}
+        schema = {k: type(v) for k, v in mine.items()}
+        said = self.control.gather(topic, names=peers, timeout=self.timeout, schema=schema)
+        return {name: value for name, value in said.items() if isinstance(value, dict)}
+
+    def _post_on(self, peer: int, op: str, flats: list[torch.Tensor]) -> Any:
+        """Post ``flats`` to ``peer`` (global rank) over its link's ProcessGroupNCCL, on the
+        current stream, as one NCCL group where both ends' PyTorch have them (even one
+        operation: a link's operations all go through one communicator so), else the one
+        operation alone; returns the work."""
+        link = self._links[peer]
         post = link.send if op == "send" else link.recv
         other = 1 - link.rank()
-        if not self._coalesce:
+        if not self._grouped.get(peer, False):
             assert len(flats) == 1
             return post(flats, other, 0)
         link._start_coalescing()
@@ -288,14 +312,14 @@ class NcclTransport(Transport):
         send each, and 3-5 ms of host time against 26), which completes at once, with one
         event. With ``$WEIGHTBUS_NCCL_GROUPS=0``, or where PyTorch has no groups, each
         through :meth:`_send` / :meth:`_recv`."""
-        if len(handles) > 1 and not self._group:
+        if len(handles) > 1 and not self.groups_with(handles[0].peer):
             super()._issue_many(handles, bufs)  # each through _send / _recv
             return
         assert self._poller is not None
         flats = [buf.reshape(-1) for buf in bufs if buf is not None]
         peer, side = self._side(handles[0])
         with torch.cuda.stream(side):
-            work = self._post_on(self._links[peer], handles[0].op, flats)
+            work = self._post_on(peer, handles[0].op, flats)
             work.wait()
             event = torch.cuda.Event()
             event.record(side)
@@ -304,7 +328,9 @@ class NcclTransport(Transport):
         self._poller.add_many(handles)
 
     def groups_with(self, peer: Participant | str | int) -> bool:
-        return self._group
+        assert self.roster is not None
+        rank = self.roster.global_rank(self._peer(peer).name)
+        return self._group and self._grouped.get(rank, False)
 
     def _side(self, handle: Handle) -> tuple[int, torch.cuda.Stream]:
         """``handle``'s peer (global rank) and the side stream its operations go through,
