@@ -29,7 +29,6 @@ import sys
 import time
 import traceback
 import uuid
-import zlib
 from pathlib import Path
 
 BIG = 1 << 30
@@ -171,16 +170,6 @@ def raw_links(channels: list[int], links: int) -> list[dict]:
     return rows
 
 
-def _canonical(model, version: int, device):
-    import torch
-
-    out = {}
-    for t in model.tensors:
-        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()) + 7919 * version)
-        out[t.name] = torch.randn(t.shape, generator=g).to(device=device, dtype=torch.bfloat16)
-    return out
-
-
 def _participant(role, rank, gpu, port, job, shape, budget, model_name, q, done) -> None:
     """One participant of part 2: connect, three syncs, report, wait for ``done``."""
     name = f"{role}-{rank}"
@@ -192,7 +181,7 @@ def _participant(role, rank, gpu, port, job, shape, budget, model_name, q, done)
         from weightbus.layouts.families import model_spec
         from weightbus.layouts.fsdp import fsdp_layout
         from weightbus.layouts.fused import engine_layout
-        from weightbus.plan import allocate, fill_from_canonical
+        from weightbus.plan import allocate
 
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
@@ -226,10 +215,8 @@ def _participant(role, rank, gpu, port, job, shape, budget, model_name, q, done)
         t0 = time.monotonic()
         side.connect()
         connect_s = time.monotonic() - t0
-        for v in range(1, 4):  # every link moves bytes: its channels connect
+        for v in range(1, 4):  # every link moves bytes (whatever they hold): channels connect
             if isinstance(side, Writer):
-                fill_from_canonical(layout, _canonical(model, v, device), tensors)
-                torch.cuda.synchronize()
                 side.sync(v)
             else:
                 side.wait()
