@@ -69,10 +69,10 @@ CHANNELS = 32
 """Channels (an SM and a set of buffers each) that a participant's NCCL links may use
 together: each link may use this many divided by the participant's links, at least
 :data:`LINK_CHANNELS_MIN`, or its other end's share where smaller (``ncclConfig_t.maxCTAs``;
-``$WEIGHTBUS_NCCL_CHANNELS``, which may differ between participants; 0: no limit of this
-end's, NCCL's own choice where the other end sets none either). A communicator's buffers grow with its
-channels, and NCCL gives every link of two ranks as many as it can, so with NCCL's choice a
-participant's NCCL memory grows with its links. Measured on 2 x H200 over NVLink, NCCL 2.28
+``$WEIGHTBUS_NCCL_CHANNELS``, which may differ between participants; 0: no limit from this
+end, NCCL's own choice where the other end sets none either). A communicator's buffers grow
+with its channels, and NCCL gives every link of two ranks as many as it can, so with NCCL's
+choice a participant's NCCL memory grows with its links. Measured on 2 x H200 over NVLink, NCCL 2.28
 (``weightbus bench links``, ``bench/results/2026-11-28-2xh200-nccl-links-cost.json``): per
 two-rank communicator the sender's GPU held 245 MiB and the receiver's 517 with NCCL's choice,
 260 and 516 with 32, 116 and 260 with 16, 60 and 132 with 8, 36 and 68 with 4, 18 and 36 with
@@ -310,8 +310,8 @@ class NcclTransport(Transport):
         group (:meth:`_post_on`): more than one as one NCCL group (a launch for all; on 2 x
         H200 Llama-3-8B's 291 tensors, in groups of 8 to 32, took 44.9 ms against 47.6 for a
         send each, and 3-5 ms of host time against 26), which completes at once, with one
-        event. With ``$WEIGHTBUS_NCCL_GROUPS=0``, or where PyTorch has no groups, each
-        through :meth:`_send` / :meth:`_recv`."""
+        event. With ``$WEIGHTBUS_NCCL_GROUPS=0``, or where either end's PyTorch has no
+        groups, each through :meth:`_send` / :meth:`_recv`."""
         if len(handles) > 1 and not self.groups_with(handles[0].peer):
             super()._issue_many(handles, bufs)  # each through _send / _recv
             return
