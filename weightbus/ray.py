@@ -13,7 +13,7 @@ actors. This module gives such a job its three missing pieces:
   ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: Ray then leaves every GPU of the node
   visible, so each participant names its real GPU and two actors of one node never both
   claim ``cuda:0`` (CUDA IPC between two GPUs needs the writer's GPU visible to the reader,
-  under its real index, and a peer that does not know a GPU's UUID tells GPUs apart by index).
+  and a peer that does not know a GPU's UUID tells GPUs apart by index).
 * **a process group without torchrun.** :meth:`ActorContext.init_process_group` (or
   :func:`init_process_group`) builds an actor group's own ``torch.distributed`` default group
   (FSDP2 for a trainer, tensor parallel for an engine) over the same store, under a prefix of
