@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import subprocess
 import sys
 import time
@@ -31,14 +28,10 @@ import traceback
 import uuid
 from pathlib import Path
 
+from weightbus.bench.gpu import _free_port, _run_group, bench_configs
+
 BIG = 1 << 30
 """Bytes of the transfers timed in part 1."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _used_mib(device) -> float:
@@ -127,34 +120,17 @@ def _raw_end(rank: int, port: int, channels: list[int], links: int, q) -> None:
                 pg.shutdown()
             return row
 
-        out = [measure(n) for n in channels]
-        q.put((rank, "ok", out))
+        q.put(("end", rank, "ok", [measure(n) for n in channels]))
     except BaseException as exc:
-        q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        q.put(("end", rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 def raw_links(channels: list[int], links: int) -> list[dict]:
     """Part 1: per channels value, both ends' memory per communicator and the rates."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_raw_end, args=(r, port, channels, links, q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got: dict[int, list[dict]] = {}
-    try:
-        for _ in procs:
-            rank, status, value = q.get(timeout=600)
-            if status != "ok":
-                raise RuntimeError(f"bench links: rank {rank} failed: {value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = _run_group([(_raw_end, (r, port, channels, links)) for r in (0, 1)], 900)
     rows = []
-    for send, recv in zip(got[0], got[1], strict=True):
+    for send, recv in zip(got[("end", 0)], got[("end", 1)], strict=True):
         rows.append(
             {
                 "channels": send["channels"],
@@ -170,14 +146,13 @@ def raw_links(channels: list[int], links: int) -> list[dict]:
     return rows
 
 
-def _participant(role, rank, gpu, port, job, shape, budget, model_name, q, done) -> None:
-    """One participant of part 2: connect, three syncs, report, wait for ``done``."""
-    name = f"{role}-{rank}"
+def _participant(role, rank, gpu, port, job, shape, budget, model_name, q) -> None:
+    """One participant of part 2: connect, three syncs, report its GPU memory."""
     try:
         os.environ["WEIGHTBUS_NCCL_CHANNELS"] = str(budget)
         import torch
 
-        from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
+        from weightbus import BoundLayout, Participant, Reader, Writer
         from weightbus.layouts.families import model_spec
         from weightbus.layouts.fsdp import fsdp_layout
         from weightbus.layouts.fused import engine_layout
@@ -193,22 +168,14 @@ def _participant(role, rank, gpu, port, job, shape, budget, model_name, q, done)
         else:
             layout = engine_layout(model, me, tp=1, dtype="bfloat16")
         tensors = allocate(layout, device=device)
-        wait = dt.timedelta(seconds=300)
-        control = ControlConfig(
-            num_writers=writers,
-            num_readers=readers,
-            address=f"127.0.0.1:{port}",
-            host_store=False,
-            job=job,
-            timeout=wait,
-        )
-        sync = SyncConfig(
-            transport="nccl",
-            bucket_bytes=1 << 20,
+        ends = argparse.Namespace(port=port, bucket_mb=1, transport="nccl")
+        control, sync = bench_configs(
+            ends,
+            job,
+            writers,
+            readers,
             staging_buffers=2,
-            sync_timeout=wait,
-            step_timeout=wait,
-            connect_timeout=wait,
+            connect_timeout=dt.timedelta(seconds=300),
         )
         bound = BoundLayout(layout=layout, tensors=tensors)
         side = Writer(bound, control, sync) if role == "writer" else Reader(bound, control, sync)
@@ -221,11 +188,11 @@ def _participant(role, rank, gpu, port, job, shape, budget, model_name, q, done)
             else:
                 side.wait()
         torch.cuda.synchronize()
-        q.put((name, "ok", {"pid": os.getpid(), "connect_s": round(connect_s, 2)}))
-        done.wait(120)
+        mib = _gpu_mib_by_pid().get(os.getpid(), 0)  # its links connected, all of them
         side.close()
+        q.put((role, rank, "ok", {"gpu_mib": mib, "connect_s": round(connect_s, 2)}))
     except BaseException as exc:
-        q.put((name, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        q.put((role, rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 def _gpu_mib_by_pid() -> dict[int, int]:
@@ -245,41 +212,19 @@ def job_links(shape: tuple[int, int], budget: int, model: str) -> dict:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
     job = f"bench-links-{uuid.uuid4().hex[:6]}"
     who = [("writer", r, 0) for r in range(shape[0])] + [("reader", r, 1) for r in range(shape[1])]
-    procs = [
-        ctx.Process(
-            target=_participant,
-            args=(role, r, gpu, store.port, job, shape, budget, model, q, done),
-            daemon=True,
-        )
-        for role, r, gpu in who
-    ]
-    for p in procs:
-        p.start()
-    got: dict[str, dict] = {}
-    try:
-        while len(got) < len(procs):
-            try:
-                name, status, value = q.get(timeout=400)
-            except queue.Empty:
-                raise RuntimeError(f"bench links: no word from {len(procs) - len(got)}") from None
-            if status != "ok":
-                raise RuntimeError(f"bench links: {name} failed: {value}")
-            got[name] = value
-        mib = _gpu_mib_by_pid()  # every participant alive, its links connected
-    finally:
-        done.set()
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    got = _run_group(
+        [
+            (_participant, (role, r, gpu, store.port, job, shape, budget, model))
+            for role, r, gpu in who
+        ],
+        600,
+    )
     row: dict = {"writers": shape[0], "readers": shape[1], "budget": budget or "nccl"}
     for role in ("writer", "reader"):
-        mine = [v for k, v in got.items() if k.startswith(role)]
-        row[f"{role}_gpu_mib_max"] = max(mib.get(v["pid"], 0) for v in mine)
+        mine = [v for (r, _), v in got.items() if r == role]
+        row[f"{role}_gpu_mib_max"] = max(v["gpu_mib"] for v in mine)
         row[f"{role}_connect_s_max"] = max(v["connect_s"] for v in mine)
     return row
 
