@@ -113,11 +113,11 @@ def test_channels_split_among_the_links_of_the_busier_end(writers, readers, budg
         [Participant(role="writer", rank=i, device=f"cuda:{i}") for i in range(writers)]
         + [Participant(role="reader", rank=i, device=f"cuda:{writers + i}") for i in range(readers)]
     )
-    got = link_channels(roster, budget)
+    got = link_channels(roster, dict.fromkeys(range(roster.size), budget))
     prefixes = {prefix for p in roster.all for _, prefix, _ in link_order(roster, p.name)}
     assert set(got) == prefixes
     assert set(got.values()) == {want}, got
-    assert link_channels(roster, 0) == {}
+    assert link_channels(roster, dict.fromkeys(range(roster.size), 0)) == {}
 
 
 def test_each_link_takes_the_smaller_offer_of_its_ends():
@@ -149,7 +149,7 @@ def test_channels_count_only_links():
             Participant(role="reader", rank=1, device="cuda:1", gpu="g1"),
         ]
     )
-    assert link_channels(roster, 32) == {"0-2": 32}
+    assert link_channels(roster, {0: 32, 1: 32, 2: 32}) == {"0-2": 32}
 
 
 class _Link:

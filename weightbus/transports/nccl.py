@@ -98,10 +98,10 @@ def _pairs(roster: Roster):
                 yield roster.global_rank(writer.name), roster.global_rank(reader.name)
 
 
-def link_channels(roster: Roster, budgets: int | Mapping[int, int]) -> dict[str, int]:
+def link_channels(roster: Roster, budgets: Mapping[int, int]) -> dict[str, int]:
     """Per link (its store prefix, as in :func:`link_order`): the channels it may use. Each
-    end offers a share of its budget (:data:`CHANNELS`; per participant by global rank, or
-    one for all) split among its own links, at least :data:`LINK_CHANNELS_MIN` and at most
+    end offers a share of its budget (:data:`CHANNELS`; per participant by global rank)
+    split among its own links, at least :data:`LINK_CHANNELS_MIN` and at most
     the budget; the link takes the smaller offer, so both ends, knowing both budgets, ask
     NCCL alike. An end whose budget is 0 offers no limit (NCCL's own choice); a link without
     a limit, or with an end whose budget is not given, is left out."""
@@ -112,14 +112,14 @@ def link_channels(roster: Roster, budgets: int | Mapping[int, int]) -> dict[str,
         count[r] = count.get(r, 0) + 1
 
     def offer(end: int) -> int | None:
-        budget = budgets if isinstance(budgets, int) else budgets[end]
+        budget = budgets[end]
         if budget <= 0:
             return None
         return max(min(LINK_CHANNELS_MIN, budget), budget // count[end])
 
     out = {}
     for w, r in pairs:
-        if not isinstance(budgets, int) and not (w in budgets and r in budgets):
+        if w not in budgets or r not in budgets:
             continue
         offers = [x for x in (offer(w), offer(r)) if x is not None]
         if offers:
@@ -312,10 +312,10 @@ class NcclTransport(Transport):
         send each, and 3-5 ms of host time against 26), which completes at once, with one
         event. With ``$WEIGHTBUS_NCCL_GROUPS=0``, or where either end's PyTorch has no
         groups, each through :meth:`_send` / :meth:`_recv`."""
-        if len(handles) > 1 and not self.groups_with(handles[0].peer):
+        assert self.roster is not None and self._poller is not None
+        if len(handles) > 1 and not self._groups(self.roster.global_rank(handles[0].peer.name)):
             super()._issue_many(handles, bufs)  # each through _send / _recv
             return
-        assert self._poller is not None
         flats = [buf.reshape(-1) for buf in bufs if buf is not None]
         peer, side = self._side(handles[0])
         with torch.cuda.stream(side):
@@ -329,8 +329,11 @@ class NcclTransport(Transport):
 
     def groups_with(self, peer: Participant | str | int) -> bool:
         assert self.roster is not None
-        rank = self.roster.global_rank(self._peer(peer).name)
-        return self._group and self._grouped.get(rank, False)
+        return self._groups(self.roster.global_rank(self._peer(peer).name))
+
+    def _groups(self, peer: int) -> bool:
+        """Whether operations to ``peer`` (global rank) share NCCL groups."""
+        return self._group and self._grouped.get(peer, False)
 
     def _side(self, handle: Handle) -> tuple[int, torch.cuda.Stream]:
         """``handle``'s peer (global rank) and the side stream its operations go through,
