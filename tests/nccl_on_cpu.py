@@ -4,8 +4,10 @@ objects that follow the Gloo operations posted under them, so that the transport
 (``tests/transport_contract.py``) runs its connect, warm-up order, posting (alone and in
 groups), completion, failure detection and teardown in every CPU suite.
 
-What it does not model is NCCL's own behaviour: which communicator an operation uses, when one
-is created, what a kernel does when its peer died. A Gloo operation whose peer died fails; here
+What it does not model is NCCL's own behaviour: which communicator an operation uses, what a
+kernel does when its peer died. It does make a link's group at its first operation, which
+blocks until the other end's first (Gloo's rendezvous), as NCCL makes a communicator, so the
+order in which connect makes links is tested. A Gloo operation whose peer died fails; here
 it stays pending, as an NCCL kernel spins, so that only the control plane can end the wait, as
 on GPUs. The GPU contract tests (``tests/test_gpu.py``) cover the rest.
 
@@ -151,8 +153,19 @@ class _GlooAsNccl:
         self._rank = rank
         self._prefix = getattr(store, "prefix", "?")
         type(self).channels.setdefault(self._prefix, set()).add(options.config.max_ctas)
-        self._pg = dist.ProcessGroupGloo(store, rank, size, options._timeout)
+        # made by the first operation, which blocks until the other end's first operation
+        # (Gloo's rendezvous), as NCCL makes a communicator: connect's order is tested so
+        self._made = lambda: dist.ProcessGroupGloo(store, rank, size, options._timeout)
+        self._pg_made: Any = None
+        self._lock = threading.Lock()
         self._grouped: int | None = None  # operations in the open group
+
+    @property
+    def _pg(self) -> Any:
+        with self._lock:
+            if self._pg_made is None:
+                self._pg_made = self._made()
+            return self._pg_made
 
     def rank(self) -> int:
         return self._rank

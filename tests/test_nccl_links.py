@@ -198,3 +198,122 @@ def test_abort_waits_a_bounded_time_for_a_link_that_never_aborts(monkeypatch):
     t._abort("reader-1 died")
     assert 0.3 <= time.monotonic() - t0 < 2.0
     assert not stuck.done.is_set()
+
+
+# ---------------------------------------------------------------------------------------------
+# making the links at connect: several at once, started in the global order
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_all(roster, at_once, order=None, stall_s=5.0, hold_s=0.0):
+    """Every participant of ``roster`` a thread running make_in_order over its links, each
+    link a two-party barrier (as NCCL makes a communicator: both ends block until both came),
+    held ``hold_s`` once met; ``at_once`` and ``order`` (the link list as given) per name.
+    Per name: None, or the exception raised; and per name the most links it had started and
+    not finished at one time."""
+    from weightbus.transports.nccl import make_in_order
+
+    barriers = {
+        prefix: threading.Barrier(2, timeout=stall_s * 3)
+        for p in roster.all
+        for _, prefix, _ in link_order(roster, p.name)
+    }
+    out: dict[str, BaseException | None] = {}
+    most: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def participant(name):
+        links = link_order(roster, name)
+        if order is not None:
+            links = order(name, links)
+        busy = [0]
+
+        def make(prefix):
+            with lock:
+                busy[0] += 1
+                most[name] = max(most.get(name, 0), busy[0])
+            barriers[prefix].wait()
+            time.sleep(hold_s)
+            with lock:
+                busy[0] -= 1
+
+        try:
+            jobs = [lambda prefix=prefix: make(prefix) for _, prefix, _ in links]
+            make_in_order(jobs, at_once(name), stall_s=stall_s)
+            out[name] = None
+        except BaseException as e:
+            out[name] = e
+
+    threads = [threading.Thread(target=participant, args=(p.name,)) for p in roster.all]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(stall_s * 6)
+    assert not any(t.is_alive() for t in threads)
+    return out, most
+
+
+def _all_pairs(writers, readers):
+    return Roster.of(
+        [Participant(role="writer", rank=i, device=f"cuda:{i}") for i in range(writers)]
+        + [Participant(role="reader", rank=i, device=f"cuda:{writers + i}") for i in range(readers)]
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "writers,readers,at_once",
+    [(3, 4, {}), (2, 5, {"writer-0": 1, "reader-2": 2}), (4, 4, {"reader-0": 3, "writer-3": 1})],
+)
+def test_links_made_several_at_once_in_the_global_order_never_wait_for_ever(
+    writers, readers, at_once
+):
+    """Every participant makes its links up to some number at a time (1 to its links, not
+    alike: `$WEIGHTBUS_NCCL_CONNECT_AT_ONCE` may differ), started in link_order: every link
+    is made, however their ends' numbers differ; a participant with the default (8) has more
+    than one link in the making at once."""
+    roster = _all_pairs(writers, readers)
+    out, most = _make_all(roster, lambda name: at_once.get(name, 8), hold_s=0.05)
+    assert out == dict.fromkeys(roster.names(), None)
+    for name, n in at_once.items():
+        assert most[name] <= n, (name, most)
+    assert max(most[name] for name in roster.names() if name not in at_once) > 1, most
+
+
+@pytest.mark.timeout(60)
+def test_links_started_out_of_the_global_order_can_wait_for_ever():
+    """The control for the test above: one link at a time, with writer-1 and reader-0
+    starting theirs in reverse, each end waits for another link of its peer's (writer-0 on
+    reader-0, reader-0 on writer-1, writer-1 on reader-1, reader-1 on writer-0): no link is
+    made, and each participant gives up after the stall time, naming the links not made."""
+    roster = _all_pairs(2, 2)
+
+    def order(name, links):
+        return links[::-1] if name in ("writer-1", "reader-0") else links
+
+    out, _ = _make_all(roster, lambda name: 1, order=order, stall_s=0.5)
+    for name, e in out.items():
+        assert isinstance(e, TimeoutError), (name, e)
+        assert e.args[1] == [0, 1], (name, e.args)
+
+
+def test_make_in_order_raises_a_job_error_and_a_poll_error():
+    from weightbus.transports.nccl import make_in_order
+
+    ran = []
+
+    def fail():
+        raise RuntimeError("link 1 broke")
+
+    with pytest.raises(RuntimeError, match="link 1 broke"):
+        make_in_order([lambda: ran.append(0), fail, lambda: time.sleep(0.2)], 1, stall_s=5)
+    assert ran == [0]
+
+    def poll():
+        raise ValueError("reader-3 reported a failure")
+
+    gate = threading.Event()
+    with pytest.raises(ValueError, match="reader-3"):
+        make_in_order([lambda: gate.wait(5)], 2, stall_s=5, poll=poll)
+    gate.set()
+    make_in_order([], 4, stall_s=1)  # nothing to make

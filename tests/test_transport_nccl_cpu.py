@@ -24,6 +24,16 @@ def test_contract_nccl_logic_on_cpu():
 
 
 @pytest.mark.timeout(120)
+def test_contract_nccl_logic_on_cpu_one_link_at_a_time(monkeypatch):
+    """The contract with each participant making its links one after another at connect
+    (the default makes several at once; the stand-in makes a link's group at its first
+    operation, blocking until the other end's, as NCCL does)."""
+    monkeypatch.setenv("WEIGHTBUS_NCCL_CONNECT_AT_ONCE", "1")
+    reports = transport_contract.run_contract(NAME)
+    assert set(reports) == {"writer-0", "writer-1", "reader-0", "reader-1"}
+
+
+@pytest.mark.timeout(120)
 def test_peer_killed_mid_transfer_nccl_logic_on_cpu():
     reports = transport_contract.run_peer_death(NAME)
     assert max(r["detect_s"] for r in reports.values() if "detect_s" in r) < (

@@ -11,7 +11,8 @@ send/recv rate of one of them alone and of all of them at once (a share of 1 GiB
 Part 2, weightbus jobs over the nccl transport (a small model; writers on GPU 0 and readers,
 engine replicas, on GPU 1, so that every writer links every reader): per participant, its GPU
 memory (``nvidia-smi``) and connect time, with each ``--budgets`` value as
-``$WEIGHTBUS_NCCL_CHANNELS`` (0: NCCL's own choice per link). Processes sharing a GPU take turns
+``$WEIGHTBUS_NCCL_CHANNELS`` (0: NCCL's own choice per link) and each ``--at-once`` value as
+``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE`` (links whose communicators a participant makes at once). Processes sharing a GPU take turns
 on it, so the jobs' sync times say nothing of a link's speed.
 """
 
@@ -29,6 +30,7 @@ import uuid
 from pathlib import Path
 
 from weightbus.bench.gpu import _free_port, _run_group, bench_configs
+from weightbus.transports.nccl import CONNECT_AT_ONCE
 
 BIG = 1 << 30
 """Bytes of the transfers timed in part 1."""
@@ -146,10 +148,11 @@ def raw_links(channels: list[int], links: int) -> list[dict]:
     return rows
 
 
-def _participant(role, rank, gpu, port, job, shape, budget, model_name, q) -> None:
+def _participant(role, rank, gpu, port, job, shape, budget, at_once, model_name, q) -> None:
     """One participant of part 2: connect, three syncs, report its GPU memory."""
     try:
         os.environ["WEIGHTBUS_NCCL_CHANNELS"] = str(budget)
+        os.environ["WEIGHTBUS_NCCL_CONNECT_AT_ONCE"] = str(at_once)
         import torch
 
         from weightbus import BoundLayout, Participant, Reader, Writer
@@ -206,9 +209,10 @@ def _gpu_mib_by_pid() -> dict[int, int]:
     return {int(pid): int(mib) for pid, mib in rows}
 
 
-def job_links(shape: tuple[int, int], budget: int, model: str) -> dict:
-    """Part 2: one job of ``shape`` (writers, readers) under ``budget``; per role the largest
-    GPU memory and connect time of its participants."""
+def job_links(shape: tuple[int, int], budget: int, at_once: int, model: str) -> dict:
+    """Part 2: one job of ``shape`` (writers, readers) under ``budget``, each participant
+    making ``at_once`` links at once; per role the largest GPU memory and connect time of its
+    participants."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -216,12 +220,17 @@ def job_links(shape: tuple[int, int], budget: int, model: str) -> dict:
     who = [("writer", r, 0) for r in range(shape[0])] + [("reader", r, 1) for r in range(shape[1])]
     got = _run_group(
         [
-            (_participant, (role, r, gpu, store.port, job, shape, budget, model))
+            (_participant, (role, r, gpu, store.port, job, shape, budget, at_once, model))
             for role, r, gpu in who
         ],
         600,
     )
-    row: dict = {"writers": shape[0], "readers": shape[1], "budget": budget or "nccl"}
+    row: dict = {
+        "writers": shape[0],
+        "readers": shape[1],
+        "budget": budget or "nccl",
+        "at_once": at_once,
+    }
     for role in ("writer", "reader"):
         mine = [v for (r, _), v in got.items() if r == role]
         row[f"{role}_gpu_mib_max"] = max(v["gpu_mib"] for v in mine)
@@ -241,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--budgets", default="32,0", help="part 2: $WEIGHTBUS_NCCL_CHANNELS values (0: NCCL's)"
     )
+    p.add_argument(
+        "--at-once",
+        default=str(CONNECT_AT_ONCE),
+        help=f"part 2: $WEIGHTBUS_NCCL_CONNECT_AT_ONCE values (default {CONNECT_AT_ONCE})",
+    )
     p.add_argument("--model", default="tiny-llama", help="part 2: model preset")
     p.add_argument("--out", default="bench/results", help="results directory")
     p.add_argument("--kind", default=None, help="machine kind for the file name")
@@ -248,13 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         channels = [int(x) for x in a.channels.split(",") if x.strip()]
         budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
+        at_once = [int(x) for x in a.at_once.split(",") if x.strip()]
         jobs = [[int(n) for n in s.split("x")] for s in a.jobs.split(",") if s.strip()]
     except ValueError as exc:
-        p.error(f"--channels, --budgets and --jobs take integers (jobs as 4x8): {exc}")
+        p.error(f"--channels, --budgets, --at-once and --jobs take integers (jobs as 4x8): {exc}")
     if any(len(j) != 2 or min(j) < 1 for j in jobs):
         p.error(f"--jobs {a.jobs!r}: each WRITERSxREADERS, both at least 1 (e.g. 1x4,8x8)")
     if any(n < 0 for n in channels + budgets):
         p.error(f"--channels {a.channels!r} / --budgets {a.budgets!r}: 0 (NCCL's choice) or more")
+    if not at_once or min(at_once) < 1:
+        p.error(f"--at-once {a.at_once!r}: one or more values, each at least 1")
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -284,11 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         print("part 2: jobs over nccl, writers on GPU 0, readers on GPU 1", flush=True)
     for w, r in jobs:
         shape = (w, r)
-        for budget in budgets:
-            row = job_links(shape, budget, a.model)
+        for budget, n in ((b, n) for b in budgets for n in at_once):
+            row = job_links(shape, budget, n, a.model)
             result["jobs"].append(row)
             print(
-                f"  {shape[0]} x {shape[1]}, budget {row['budget']!s:>4}: writer "
+                f"  {shape[0]} x {shape[1]}, budget {row['budget']!s:>4}, {n} at once: writer "
                 f"{row['writer_gpu_mib_max']} MiB, reader {row['reader_gpu_mib_max']} MiB; "
                 f"connect {row['writer_connect_s_max']:.1f} / {row['reader_connect_s_max']:.1f} s",
                 flush=True,

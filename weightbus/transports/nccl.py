@@ -23,8 +23,9 @@ all ranks, created lazily by the first of them as a collective of every particip
 participant that had died, or that never posted a group, blocked the others' first group in
 NCCL's initialization, beyond any timeout; and that one communicator's stream put every link
 behind every other: S2 over NCCL, one writer to three readers on 4 x H200, took 188.4 ms so
-against 132.7 with a group per link.) :meth:`_connect` creates every link's communicator, pair
-by pair in one global order, so the first sync pays nothing. ``$WEIGHTBUS_NCCL_GROUPS=0``
+against 132.7 with a group per link.) :meth:`_connect` creates every link's communicator, several
+at a time (:data:`CONNECT_AT_ONCE`), started in one global order, so the first sync pays
+nothing. ``$WEIGHTBUS_NCCL_GROUPS=0``
 puts one operation in each group (S1 over NCCL took 48.7 ms with an NCCL call per bucket
 against 46.3 with groups on 2 x H200, when groups came); the ends of each link agree at
 connect on which operations share a group (``Transport.groups_with``), so the setting may
@@ -46,7 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
 from weightbus.transports.links import link_class
 
-__all__ = ["NcclTransport"]
+__all__ = ["NcclTransport", "make_in_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,76 @@ context and PyTorch's). A participant with one link asks for 32, no fewer than N
 there (S1 over NCCL took 47.0 ms with the split, as before)."""
 LINK_CHANNELS_MIN = 2
 """The fewest channels a link gets from the split of :data:`CHANNELS`."""
+CONNECT_AT_ONCE = 8
+"""Links whose communicators a participant makes at once at connect
+(``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE``, which may differ between participants; 1: one after
+another). Making one takes both ends about half a second (NCCL's bootstrap, topology and
+buffers), so one after another a participant with many links waited that long per link, and
+more where its peers were busy with links of their own."""
+_POLL_S = 0.05
+"""How often :func:`make_in_order` calls its ``poll`` while it waits."""
+
+
+def make_in_order(
+    jobs: Sequence[Callable[[], None]],
+    at_once: int,
+    *,
+    stall_s: float,
+    poll: Callable[[], None] = lambda: None,
+) -> None:
+    """Run ``jobs`` (callables) on up to ``at_once`` threads, each job started only after every
+    job before it; return once all are done, raise the first error of one, or
+    ``TimeoutError(message, indices not done)`` when none finished for ``stall_s`` seconds.
+    ``poll`` runs about every :data:`_POLL_S` while waiting (its exception ends the wait).
+
+    For links, whose two ends block until both have started it (NCCL makes a communicator when
+    both ranks post its first operation), started in one global order by every participant:
+    the earliest link not yet made is then among the ``at_once`` earliest not made of each of
+    its ends, so both have started it and it gets made; no participant waits on another for
+    ever, whatever ``at_once`` each has. The threads are daemons: where a peer never comes, the
+    caller's abort of the links releases them, and they never hold the process open."""
+    if not jobs:
+        return
+    state = threading.Condition()
+    taken = 0
+    done: set[int] = set()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        nonlocal taken
+        while True:
+            with state:
+                if taken == len(jobs) or errors:
+                    return
+                i, taken = taken, taken + 1
+            try:
+                jobs[i]()
+            except BaseException as e:
+                with state:
+                    errors.append(e)
+                    state.notify_all()
+                return
+            with state:
+                done.add(i)
+                state.notify_all()
+
+    for k in range(min(at_once, len(jobs))):
+        threading.Thread(target=work, name=f"weightbus-nccl-connect-{k}", daemon=True).start()
+    last, made = time.monotonic(), 0
+    while True:
+        with state:
+            if not errors and len(done) < len(jobs):
+                state.wait(_POLL_S)
+            if errors:
+                raise errors[0]
+            if len(done) == len(jobs):
+                return
+            if len(done) > made:
+                last, made = time.monotonic(), len(done)
+            left = [i for i in range(len(jobs)) if i not in done]
+        poll()
+        if time.monotonic() - last > stall_s:
+            raise TimeoutError(f"{len(left)} of {len(jobs)} jobs not done", left)
 
 
 def _pairs(roster: Roster):
@@ -205,6 +276,12 @@ class NcclTransport(Transport):
                 f"$WEIGHTBUS_NCCL_CHANNELS={budget}: channels a participant's links share "
                 f"(default {CHANNELS}), or 0 for NCCL's own choice"
             )
+        at_once = env_int("WEIGHTBUS_NCCL_CONNECT_AT_ONCE", CONNECT_AT_ONCE)
+        if at_once < 1:
+            raise ValueError(
+                f"$WEIGHTBUS_NCCL_CONNECT_AT_ONCE={at_once}: links whose communicators a "
+                f"participant makes at once (default {CONNECT_AT_ONCE}; 1: one after another)"
+            )
         config = getattr(dist.ProcessGroupNCCL.Options(), "config", None)
         if budget and not hasattr(config, "max_ctas"):
             logger.info("weightbus nccl: this PyTorch cannot cap NCCL's channels: NCCL's choice")
@@ -247,15 +324,8 @@ class NcclTransport(Transport):
         # $WEIGHTBUS_NCCL_GROUPS=0: one operation a group (which group a link's operations
         # share is agreed per link at connect: Transport.groups_with)
         self._group = bool(env_int("WEIGHTBUS_NCCL_GROUPS", 1))
-        # every link's communicator, by an operation posted as a sync posts them, the links
-        # in one global order (link_order): two ranks make a link's communicator together,
-        # so the order keeps any two participants from waiting on each other
         t0 = time.monotonic()
-        one = torch.zeros(1, dtype=torch.uint8, device=self._device)
-        op = "send" if me.role == "writer" else "recv"
-        for peer, _, _ in links:
-            self._post_on(peer, op, [one]).wait()
-        torch.cuda.synchronize(self._device)
+        self._make_links([peer for peer, _, _ in links], at_once)
         logger.debug(
             "weightbus nccl: %s connected (rank %d, %d links, channels %s, grouped %s) in %.2f s",
             me.name,
@@ -265,6 +335,39 @@ class NcclTransport(Transport):
             sorted(p for p, g in self._grouped.items() if g),
             time.monotonic() - t0,
         )
+
+    def _make_links(self, peers: list[int], at_once: int) -> None:
+        """Make every link's communicator, by a 1-byte operation posted as a sync posts them,
+        up to ``at_once`` links at a time in link order (:func:`make_in_order`); raise, naming
+        the peers, when none is made for the transport's timeout."""
+        assert self.control is not None and self.roster is not None and self.timeout is not None
+        me = self.participant
+        assert me is not None
+        device = self._device
+        op = "send" if me.role == "writer" else "recv"
+        ones = torch.zeros(max(len(peers), 1), dtype=torch.uint8, device=device)
+
+        def make(i: int) -> None:
+            torch.cuda.set_device(device)  # (the current device is per thread)
+            self._post_on(peers[i], op, [ones[i : i + 1]]).wait()
+
+        try:
+            make_in_order(
+                [lambda i=i: make(i) for i in range(len(peers))],
+                at_once,
+                stall_s=self.timeout.total_seconds(),
+                poll=self.control.raise_if_failed,
+            )
+        except TimeoutError as e:
+            names = [self.roster.all[peers[i]].name for i in e.args[1]]
+            raise TimeoutError(
+                f"nccl: {me.name} made none of its links to {names} in "
+                f"{self.timeout.total_seconds():.0f} s (made {len(peers) - len(names)} of "
+                f"{len(peers)}): NCCL makes a link when both ends connect; are those "
+                "participants connecting, on GPUs NCCL can reach? Raise ControlConfig.timeout "
+                "if they are slow to start"
+            ) from None
+        torch.cuda.synchronize(device)
 
     def _exchange(self, topic: str, mine: dict, peers: list[str]) -> dict[str, dict]:
         """Post ``mine`` under ``topic`` and return what each of ``peers`` (this participant's
