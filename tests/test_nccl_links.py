@@ -270,8 +270,8 @@ def test_links_made_several_at_once_in_the_global_order_never_wait_for_ever(
 ):
     """Every participant makes its links up to some number at a time (1 to its links, not
     alike: `$WEIGHTBUS_NCCL_CONNECT_AT_ONCE` may differ), started in link_order: every link
-    is made, however their ends' numbers differ; a participant with the default (8) has more
-    than one link in the making at once."""
+    is made, however their ends' numbers differ; a participant that may make 8 at once has
+    more than one link in the making at once."""
     roster = _all_pairs(writers, readers)
     out, most = _make_all(roster, lambda name: at_once.get(name, 8), hold_s=0.05)
     assert out == dict.fromkeys(roster.names(), None)
@@ -317,3 +317,26 @@ def test_make_in_order_raises_a_job_error_and_a_poll_error():
         make_in_order([lambda: gate.wait(5)], 2, stall_s=5, poll=poll)
     gate.set()
     make_in_order([], 4, stall_s=1)  # nothing to make
+
+
+def test_participants_sharing_a_gpu_share_its_links_at_once():
+    """CONNECT_AT_ONCE (16) over the participants on one's GPU: 8 writers on one GPU and 8
+    readers on another make 2 each at once; a writer alone on its GPU with 16 readers on
+    another 16 (each reader 1); a writer and a reader colocated on each GPU 8 each."""
+    from weightbus.transports.nccl import CONNECT_AT_ONCE, connect_at_once
+
+    assert CONNECT_AT_ONCE == 16
+
+    def roster(writers, readers):
+        return Roster.of(
+            [Participant(role="writer", rank=i, device="cuda:0", gpu=g) for i, g in writers]
+            + [Participant(role="reader", rank=i, device="cuda:0", gpu=g) for i, g in readers]
+        )
+
+    eight = roster([(i, "g0") for i in range(8)], [(i, "g1") for i in range(8)])
+    assert {connect_at_once(eight, p.name) for p in eight.all} == {2}
+    fan = roster([(0, "g0")], [(i, "g1") for i in range(16)])
+    assert connect_at_once(fan, "writer-0") == 16
+    assert {connect_at_once(fan, f"reader-{i}") for i in range(16)} == {1}
+    colocated = roster([(i, f"g{i}") for i in range(4)], [(i, f"g{i}") for i in range(4)])
+    assert {connect_at_once(colocated, p.name) for p in colocated.all} == {8}

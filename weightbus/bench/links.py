@@ -12,7 +12,8 @@ Part 2, weightbus jobs over the nccl transport (a small model; writers on GPU 0 
 engine replicas, on GPU 1, so that every writer links every reader): per participant, its GPU
 memory (``nvidia-smi``) and connect time, with each ``--budgets`` value as
 ``$WEIGHTBUS_NCCL_CHANNELS`` (0: NCCL's own choice per link) and each ``--at-once`` value as
-``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE`` (links whose communicators a participant makes at once). Processes sharing a GPU take turns
+``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE`` (links whose communicators a participant makes at once;
+``auto``: unset, the default). Processes sharing a GPU take turns
 on it, so the jobs' sync times say nothing of a link's speed.
 """
 
@@ -152,7 +153,10 @@ def _participant(role, rank, gpu, port, job, shape, budget, at_once, model_name,
     """One participant of part 2: connect, three syncs, report its GPU memory."""
     try:
         os.environ["WEIGHTBUS_NCCL_CHANNELS"] = str(budget)
-        os.environ["WEIGHTBUS_NCCL_CONNECT_AT_ONCE"] = str(at_once)
+        if at_once:  # else the default, from the participants on its GPU
+            os.environ["WEIGHTBUS_NCCL_CONNECT_AT_ONCE"] = str(at_once)
+        else:
+            os.environ.pop("WEIGHTBUS_NCCL_CONNECT_AT_ONCE", None)
         import torch
 
         from weightbus import BoundLayout, Participant, Reader, Writer
@@ -211,7 +215,7 @@ def _gpu_mib_by_pid() -> dict[int, int]:
 
 def job_links(shape: tuple[int, int], budget: int, at_once: int, model: str) -> dict:
     """Part 2: one job of ``shape`` (writers, readers) under ``budget``, each participant
-    making ``at_once`` links at once; per role the largest GPU memory and connect time of its
+    making ``at_once`` links at once (0: the default); per role the largest GPU memory and connect time of its
     participants."""
     from torch.distributed import TCPStore
 
@@ -229,7 +233,7 @@ def job_links(shape: tuple[int, int], budget: int, at_once: int, model: str) -> 
         "writers": shape[0],
         "readers": shape[1],
         "budget": budget or "nccl",
-        "at_once": at_once,
+        "at_once": at_once or "auto",
     }
     for role in ("writer", "reader"):
         mine = [v for (r, _), v in got.items() if r == role]
@@ -252,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--at-once",
-        default=str(CONNECT_AT_ONCE),
-        help=f"part 2: $WEIGHTBUS_NCCL_CONNECT_AT_ONCE values (default {CONNECT_AT_ONCE})",
+        default="auto",
+        help="part 2: $WEIGHTBUS_NCCL_CONNECT_AT_ONCE values (auto: unset, the default: "
+        f"{CONNECT_AT_ONCE} over the participants on a GPU)",
     )
     p.add_argument("--model", default="tiny-llama", help="part 2: model preset")
     p.add_argument("--out", default="bench/results", help="results directory")
@@ -262,16 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         channels = [int(x) for x in a.channels.split(",") if x.strip()]
         budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
-        at_once = [int(x) for x in a.at_once.split(",") if x.strip()]
+        at_once = [0 if x.strip() == "auto" else int(x) for x in a.at_once.split(",") if x.strip()]
         jobs = [[int(n) for n in s.split("x")] for s in a.jobs.split(",") if s.strip()]
     except ValueError as exc:
-        p.error(f"--channels, --budgets, --at-once and --jobs take integers (jobs as 4x8): {exc}")
+        p.error(
+            f"--channels, --budgets, --at-once and --jobs take integers (jobs as 4x8; --at-once "
+            f"also auto): {exc}"
+        )
     if any(len(j) != 2 or min(j) < 1 for j in jobs):
         p.error(f"--jobs {a.jobs!r}: each WRITERSxREADERS, both at least 1 (e.g. 1x4,8x8)")
     if any(n < 0 for n in channels + budgets):
         p.error(f"--channels {a.channels!r} / --budgets {a.budgets!r}: 0 (NCCL's choice) or more")
-    if not at_once or min(at_once) < 1:
-        p.error(f"--at-once {a.at_once!r}: one or more values, each at least 1")
+    if not at_once or min(at_once) < 0:
+        p.error(f"--at-once {a.at_once!r}: one or more values, each auto or at least 1")
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -305,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             row = job_links(shape, budget, n, a.model)
             result["jobs"].append(row)
             print(
-                f"  {shape[0]} x {shape[1]}, budget {row['budget']!s:>4}, {n} at once: writer "
+                f"  {shape[0]} x {shape[1]}, budget {row['budget']!s:>4}, {row['at_once']} at once: writer "
                 f"{row['writer_gpu_mib_max']} MiB, reader {row['reader_gpu_mib_max']} MiB; "
                 f"connect {row['writer_connect_s_max']:.1f} / {row['reader_connect_s_max']:.1f} s",
                 flush=True,

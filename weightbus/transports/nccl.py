@@ -60,7 +60,7 @@ from weightbus.transports._cuda import EventPoller, cuda_device
 from weightbus.transports.base import Handle, Transport, register_transport
 from weightbus.transports.links import link_class
 
-__all__ = ["NcclTransport", "make_in_order"]
+__all__ = ["NcclTransport", "connect_at_once", "make_in_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +86,29 @@ context and PyTorch's). A participant with one link asks for 32, no fewer than N
 there (S1 over NCCL took 47.0 ms with the split, as before)."""
 LINK_CHANNELS_MIN = 2
 """The fewest channels a link gets from the split of :data:`CHANNELS`."""
-CONNECT_AT_ONCE = 8
-"""Links whose communicators a participant makes at once at connect
-(``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE``, which may differ between participants; 1: one after
-another). Making one takes both ends about half a second (NCCL's bootstrap, topology and
-buffers), so one after another a participant with many links waited that long per link, and
-more where its peers were busy with links of their own."""
+CONNECT_AT_ONCE = 16
+"""Links whose communicators the participants on one GPU make at once at connect: each makes
+this many over the participants on its GPU, at least 1, at a time (:func:`connect_at_once`;
+``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE`` sets a participant's own number, and may differ between
+participants). Making one takes both ends about half a second (NCCL's bootstrap, topology and
+buffers). Measured on 2 x H200 (``weightbus bench links --at-once``, writers on GPU 0, readers
+on GPU 1; the slowest participant's connect, writer / reader): a writer with 16 readers 7.3-8.5
+/ 9.2-10.5 s one link at a time, 2.3 / 5.0 with 4 at once, 2.1 / 4.6 with 8, 1.6 / 4.5 with 16;
+4 writers and 4 readers 3.5 / 3.4 s one at a time, 2.7 / 2.7 with 4; but 8 writers and 8
+readers (8 processes on each GPU) 5.6-6.0 / 6.3-6.5 s one at a time, 5.2-5.5 / 4.9 with 2,
+6.8-7.8 / 6.6-7.7 with 4 and 6.1-8.1 / 7.0-8.1 with 8: beyond about 16 on a GPU at once,
+making them contends. Not measured: one process per GPU with many links (a machine has too few
+GPUs), links across hosts."""
 _POLL_S = 0.05
 """How often :func:`make_in_order` calls its ``poll`` while it waits."""
+
+
+def connect_at_once(roster: Roster, name: str) -> int:
+    """How many links participant ``name`` makes at once at connect: :data:`CONNECT_AT_ONCE`
+    over the participants on its GPU (itself included), at least 1."""
+    me = roster[name]
+    sharing = sum(link_class(p, me) == "same_gpu" for p in roster.all)
+    return max(1, CONNECT_AT_ONCE // max(sharing, 1))
 
 
 def make_in_order(
@@ -276,11 +291,12 @@ class NcclTransport(Transport):
                 f"$WEIGHTBUS_NCCL_CHANNELS={budget}: channels a participant's links share "
                 f"(default {CHANNELS}), or 0 for NCCL's own choice"
             )
-        at_once = env_int("WEIGHTBUS_NCCL_CONNECT_AT_ONCE", CONNECT_AT_ONCE)
+        at_once = env_int("WEIGHTBUS_NCCL_CONNECT_AT_ONCE", connect_at_once(roster, me.name))
         if at_once < 1:
             raise ValueError(
-                f"$WEIGHTBUS_NCCL_CONNECT_AT_ONCE={at_once}: links whose communicators a "
-                f"participant makes at once (default {CONNECT_AT_ONCE}; 1: one after another)"
+                f"$WEIGHTBUS_NCCL_CONNECT_AT_ONCE={at_once}: links whose communicators this "
+                f"participant makes at once (default {CONNECT_AT_ONCE} over the participants "
+                "on its GPU; 1: one after another)"
             )
         config = getattr(dist.ProcessGroupNCCL.Options(), "config", None)
         if budget and not hasattr(config, "max_ctas"):
