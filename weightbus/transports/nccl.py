@@ -91,14 +91,17 @@ CONNECT_AT_ONCE = 16
 this many over the participants on its GPU, at least 1, at a time (:func:`connect_at_once`;
 ``$WEIGHTBUS_NCCL_CONNECT_AT_ONCE`` sets a participant's own number, and may differ between
 participants). Making one takes both ends about half a second (NCCL's bootstrap, topology and
-buffers). Measured on 2 x H200 (``weightbus bench links --at-once``, writers on GPU 0, readers
-on GPU 1; the slowest participant's connect, writer / reader): a writer with 16 readers 7.3-8.5
-/ 9.2-10.5 s one link at a time, 2.3 / 5.0 with 4 at once, 2.1 / 4.6 with 8, 1.6 / 4.5 with 16;
-4 writers and 4 readers 3.5 / 3.4 s one at a time, 2.7 / 2.7 with 4; but 8 writers and 8
-readers (8 processes on each GPU) 5.6-6.0 / 6.3-6.5 s one at a time, 5.2-5.5 / 4.9 with 2,
-6.8-7.8 / 6.6-7.7 with 4 and 6.1-8.1 / 7.0-8.1 with 8: beyond about 16 on a GPU at once,
-making them contends. Not measured: one process per GPU with many links (a machine has too few
-GPUs), links across hosts."""
+buffers), so one after another a participant with many links took that long per link.
+Measured on 2 x H200 (``weightbus bench links --at-once``, writers on GPU 0, readers on GPU 1,
+``bench/results/2026-11-28-2xh200-nccl-connect.json``; the slowest participant's connect,
+writer / reader): a writer with 16 readers 7.3-8.8 / 8.9-10.5 s one link at a time, 2.3 / 5.0
+with 4 at once, 2.1 / 4.6 with 8, 1.6 / 4.5 with 16, and 3.8 / 4.6 by this default in a run
+where one at a time took 8.8 / 8.9 (the readers, 16 processes on one GPU, are slow to connect
+whatever their one link does). With 8 processes on each GPU (8 writers, 8 readers, 8 links
+each) more at once did not help: 5.2-6.0 / 5.8-6.5 s one at a time, 5.2-5.5 / 4.9 with 2 (this
+default there: 5.4 / 5.3), 6.8-7.8 / 6.6-7.7 with 4, 6.1-8.1 / 7.0-8.1 with 8; 4 writers and 4
+readers 1.9-3.5 / 2.3-3.4 s one at a time, 2.1-2.7 / 1.7-2.7 with 4. Not measured: one process
+per GPU with many links (more GPUs than a machine here has), links across hosts."""
 _POLL_S = 0.05
 """How often :func:`make_in_order` calls its ``poll`` while it waits."""
 
