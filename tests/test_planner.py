@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -337,3 +338,83 @@ def test_a_tensor_cut_into_routes_of_one_bucket_travels_in_place():
     ht = allocate(halves[0])
     assert all(direct_view(o, wt) is None for o in build_program(plan, "writer", 0))
     assert all(direct_view(o, ht) is not None for o in build_program(plan, "reader", 0))
+
+
+def test_contiguous_regions():
+    from weightbus.plan.planner import _contiguous
+
+    shape = np.array([[4, 6, 8]] * 7)
+    ext = np.array(
+        [
+            [4, 6, 8],  # whole
+            [2, 6, 8],  # rows of whole planes
+            [1, 3, 8],  # whole rows of one plane
+            [1, 1, 5],  # part of one row
+            [1, 3, 5],  # parts of rows: strided
+            [2, 3, 8],  # rows of two planes: strided
+            [4, 6, 4],  # the left halves of every row: strided
+        ]
+    )
+    assert _contiguous(ext, shape).tolist() == [True, True, True, True, False, False, False]
+    assert _contiguous(np.zeros((2, 0), np.int64), np.zeros((2, 0), np.int64)).tolist() == [
+        True,
+        True,
+    ]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_mixed_links_pack_every_route_when_asked(pack):
+    """FSDP on 2 writers (rows) -> tensor parallel 2 (row-parallel weights split by columns):
+    every link carries a large route strided on the writer, so every link is mixed. Packed,
+    no route travels alone (each bucket holds up to half a bucket's worth of routes more
+    than a lone route could), far fewer buckets, the same bytes, exact by the reference
+    executor with the readers poisoned. A job without such routes (whole -> one replica)
+    has no mixed link and plans alike either way."""
+    from weightbus.layouts import describe
+    from weightbus.layouts.families import model_spec
+    from weightbus.plan import poison
+
+    model = model_spec("tiny-llama")
+    w = describe.build_layouts(model, "fsdp:shard=2", "writer", dtype="float32")
+    r = describe.build_layouts(model, "vllm:tp=2", "reader", dtype="float32")
+    opts = PlanOptions(bucket_bytes=64 << 10, direct_bytes=2 << 10, pack_mixed=pack)
+    plan = make_plan(w, r, opts)
+    alone = make_plan(w, r, dataclasses.replace(opts, pack_mixed=False))
+    assert plan.stats.mixed_links == ((0, 0), (0, 1), (1, 0), (1, 1))
+    assert plan.stats.total_bytes == alone.stats.total_bytes
+    b = plan.buckets
+    if pack:
+        assert len(b) < len(alone.buckets) // 2, (len(b), len(alone.buckets))
+        assert plan.digest != alone.digest
+        # each link's buckets as packed routes make them: one per stretch of a bucket less
+        # the largest route (a lone route would be a bucket of its own)
+        stretch = opts.bucket_bytes - opts.route_limit
+        for (wi, ri), nbytes in zip(
+            plan.stats.mixed_links, [x[2] for x in plan.stats.link_bytes], strict=True
+        ):
+            n = int(((b.src == wi) & (b.dst == ri)).sum())
+            assert n <= -(-nbytes // stretch) + 1, (wi, ri, n, nbytes)
+    else:
+        assert plan.digest == alone.digest
+    wt = [allocate(lay) for lay in w]
+    canon = {s.name: torch.randn(s.shape) for s in plan.tensors}
+    for lay, t in zip(w, wt, strict=True):
+        fill_from_canonical(lay, canon, t)
+    rt = [allocate(lay) for lay in r]
+    for t in rt:
+        for x in t.values():
+            poison(x)
+    execute(plan, wt, rt)
+    want = [allocate(lay) for lay in r]
+    for lay, t in zip(r, want, strict=True):
+        fill_from_canonical(lay, canon, t)
+    for got, ref in zip(rt, want, strict=True):
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), k
+    whole = describe.build_layouts(model, "whole", "writer", dtype="float32")
+    one = describe.build_layouts(model, "vllm:tp=1", "reader", dtype="float32")
+    a, c = (
+        make_plan(whole, one, opts),
+        make_plan(whole, one, dataclasses.replace(opts, pack_mixed=False)),
+    )
+    assert a.stats.mixed_links == () and np.array_equal(a.buckets.count, c.buckets.count)

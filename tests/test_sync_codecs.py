@@ -1124,7 +1124,7 @@ def test_a_transactional_fp8_reader_takes_the_buckets_sent_ahead_in_place():
 
 
 def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):
-    from weightbus._session import _select_transport
+    from weightbus._session import _choose_transport
     from weightbus.codecs import DeltaConfig, Fp8Config
     from weightbus.plan.codec_plan import CodecConfig
     from weightbus.spec import Participant
@@ -1141,20 +1141,19 @@ def test_codecs_refuse_pulling_transports_and_auto_skips_them(monkeypatch):
     monkeypatch.delenv(base.TRANSPORT_ENV, raising=False)
     people = (Participant(role="writer", rank=0), Participant(role="reader", rank=0))
     plan = SimpleNamespace(participants=people)
-    me = people[0]
     plain, fp8 = CodecConfig(), CodecConfig(fp8=Fp8Config())
-    assert _select_transport("auto", plan, me, plain).name == "test-pulling"
-    assert _select_transport("auto", plan, me, fp8).name == "gloo"
+    assert _choose_transport("auto", plan, plain).transports == ("test-pulling",)
+    assert _choose_transport("auto", plan, fp8).transports == ("gloo",)
     delta = CodecConfig(delta=DeltaConfig())
     with pytest.raises(
         ValueError,
         match=r"bf16\+delta need a transport whose writers encode.*"
         r"'test-pulling' pulls.*use transport 'nccl' or 'gloo'",
     ):
-        _select_transport("test-pulling", plan, me, delta)
+        _choose_transport("test-pulling", plan, delta)
     monkeypatch.setenv(base.TRANSPORT_ENV, "test-pulling")
     with pytest.raises(ValueError, match="pulls straight from the writers' tensors"):
-        _select_transport("auto", plan, me, fp8)
+        _choose_transport("auto", plan, fp8)
 
 
 def test_staging_that_does_not_fit_names_its_size_and_the_fix(monkeypatch):

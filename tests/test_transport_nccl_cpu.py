@@ -229,3 +229,74 @@ def test_ends_with_other_channel_budgets_settle_per_link(nccl_stand_ins, monkeyp
         assert not isinstance(got, BaseException), (name, got)
     assert out["reader-0"] == out["reader-1"] == [0] * 2
     assert sorted(nccl_stand_ins.channels.items()) == [("0-1", {16}), ("0-2", {8})]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "transport,pack_mixed,packed", [(NAME, True, True), (NAME, False, False), ("gloo", True, False)]
+)
+def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
+    nccl_stand_ins, transport, pack_mixed, packed
+):
+    """FSDP on 2 writers -> tensor parallel 2: every link carries a large row-parallel route
+    strided on its writer (a mixed link). Over the nccl transport (its logic on CPU) the job
+    is planned with every route of those links packed (``SyncConfig.pack_mixed``, on by
+    default), alike on every participant; with it off, or over gloo, large routes travel
+    alone. Each reader's poisoned tensors bit exact after each of 3 syncs."""
+    from tests.test_faults_membership import configs
+    from tests.test_transport_links import MODEL, _canonical, _off, _poison, _writer
+    from tests.threads import run_threads
+    from weightbus import BoundLayout, Reader, Writer
+    from weightbus.layouts.families import model_spec
+    from weightbus.layouts.fused import engine_layout
+    from weightbus.plan import allocate, fill_from_canonical
+    from weightbus.spec import Participant
+
+    model = model_spec(MODEL)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job = f"nccl-cpu-mixed-{uuid.uuid4().hex[:6]}"
+    syncs = 3
+
+    def cfg():
+        return configs(
+            store.port, 2, 2, job, transport=transport, direct_bytes=2048,
+            pack_mixed=pack_mixed, sync_timeout=timedelta(seconds=15),
+        )  # fmt: skip
+
+    def writer(rank):
+        def body():
+            bound = _writer(model, rank, 2)
+            with Writer(bound, *cfg()) as w:
+                for v in range(1, syncs + 1):
+                    fill_from_canonical(bound.layout, _canonical(model, v), bound.tensors)
+                    w.sync(v)
+                return w.plan
+
+        return body
+
+    def reader(rank):
+        def body():
+            me = Participant(role="reader", rank=rank)
+            layout = engine_layout(model, me, tp=2, tp_rank=rank, dtype="bfloat16")
+            bound = BoundLayout(layout=layout, tensors=allocate(layout))
+            with Reader(bound, *cfg()) as r:
+                offs = []
+                for _ in range(syncs):
+                    _poison(r)
+                    res = r.wait()
+                    offs.append(_off(layout, r.live, model, res.version))
+                return r.plan, offs
+
+        return body
+
+    bodies = {f"writer-{i}": writer(i) for i in range(2)}
+    bodies.update({f"reader-{i}": reader(i) for i in range(2)})
+    out = run_threads(bodies)
+    for name, got in out.items():
+        assert not isinstance(got, BaseException), (name, got)
+    plans = [out["writer-0"], out["writer-1"], out["reader-0"][0], out["reader-1"][0]]
+    assert len({p.digest for p in plans}) == 1
+    plan = plans[0]
+    assert plan.stats.mixed_links == ((0, 0), (0, 1), (1, 0), (1, 1))
+    assert plan.options.pack_mixed is packed
+    assert out["reader-0"][1] == out["reader-1"][1] == [0] * syncs

@@ -34,9 +34,9 @@ from weightbus.plan.codec_plan import (
     wire_layout,
 )
 from weightbus.plan.program import BucketCopier, BucketOp, direct_view
-from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
+from weightbus.spec import BoundLayout, Layout, LayoutError
 from weightbus.transports.base import Program, Transport, transport_class
-from weightbus.transports.links import build_transport, check_choice, choose_links
+from weightbus.transports.links import LinkChoice, build_transport, check_choice, choose_links
 from weightbus.verify import Verifier, level_mismatch
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,12 @@ class SyncConfig:
     direct_bytes: int = 4 * MiB
     """Routes this large travel alone and, where contiguous and needing no cast, in place (with
     a codec on, only routes of ``bucket_bytes`` and more travel alone: see plan_options)."""
+    pack_mixed: bool = True
+    """Where every link's transport asks for it (NCCL: :attr:`Transport.pack_mixed_links`) and
+    no codec is on, plan with :attr:`PlanOptions.pack_mixed <weightbus.plan.PlanOptions.pack_mixed>`:
+    a link on which some large route would be staged on one side (a row-parallel engine
+    weight from a trainer sharded by rows) packs all its routes into buckets, fewer and larger
+    messages. False: large routes always travel alone. Must be equal on every participant."""
     transport: str | Mapping[str, str] = "auto"
     """"auto" (choose per link from hosts, GPUs and processes), one transport name for every
     link ("nccl"), or per link class (``{"same_host": "nccl"}``, or ``"same_host=nccl"``;
@@ -290,6 +296,27 @@ class _Session:
         self._refuse(refused)
         t_plan = time.perf_counter()
         plan = self._make_plan(writers, readers)
+        cfg = self.config
+        choice = _choose_transport(cfg.transport, plan, codecs, job=self.control.config.job)
+        if (
+            plan.stats.mixed_links
+            and cfg.pack_mixed
+            and not codecs.active
+            and all(transport_class(t).pack_mixed_links for t in choice.transports)
+        ):
+            # the same links and participants, so the same choice serves this plan too
+            plan = self._make_plan(writers, list(plan.readers), pack_mixed=True)
+            logger.info(
+                "weightbus: %s packs every route of %d mixed links (%s) into buckets: a "
+                "large route on each would be staged on one side (SyncConfig.pack_mixed)",
+                self.name,
+                len(plan.stats.mixed_links),
+                ", ".join(
+                    f"{plan.writers[w].name}->{plan.readers[r].name}"
+                    for w, r in plan.stats.mixed_links[:4]
+                )
+                + (", ..." if len(plan.stats.mixed_links) > 4 else ""),
+            )
         self.plan_seconds = time.perf_counter() - t_plan
         self._agree("plan", plan.digest, lambda exc: exc)
         mine = plan.writers if self.role == "writer" else plan.readers
@@ -301,15 +328,7 @@ class _Session:
             self.ops = build_program(plan, self.role, index)
         # the transport's own per-operation bound must not cut a sync short: a writer's
         # sends wait for readers that may still be finishing their rollouts
-        cfg = self.config
-        self.transport = _select_transport(
-            cfg.transport,
-            plan,
-            self.bound.layout.participant,
-            codecs,
-            timeout=max(cfg.sync_timeout, cfg.step_timeout),
-            job=self.control.config.job,
-        )
+        self.transport = build_transport(choice, timeout=max(cfg.sync_timeout, cfg.step_timeout))
         self.transport.connect(self.control, plan.participants)
         device = self._device = _device_of(self.bound)
         if self.codec is not None:
@@ -499,12 +518,16 @@ class _Session:
         :meth:`_build` (the first connect and each new membership epoch); collective work
         here must be done by every participant of the epoch."""
 
-    def _make_plan(self, writers: list[Layout], readers: list[Layout]) -> TransferPlan:
+    def _make_plan(
+        self, writers: list[Layout], readers: list[Layout], pack_mixed: bool = False
+    ) -> TransferPlan:
         """The plan for this epoch's layouts. Readers are numbered by their place among the
         epoch's readers (ranks may have gaps once some left). A reader that joined in this
         epoch and whose layout cannot be planned is refused, and the others planned without
         it; the others' own disagreements raise as usual."""
         options = self.config.plan_options()
+        if pack_mixed:
+            options = dataclasses.replace(options, pack_mixed=True)
         if not readers:
             raise MembershipError(
                 f"{self.name}: no reader is left in membership epoch {self.control.epoch} of "
@@ -941,14 +964,9 @@ def post_groups(
     return tuple(tuple(g) for g in groups)
 
 
-def _select_transport(
-    name: str | Mapping[str, str],
-    plan: TransferPlan,
-    participant: Participant,
-    codecs: CodecConfig,
-    job: str = "",
-    **config,
-) -> Transport:
+def _choose_transport(
+    name: str | Mapping[str, str], plan: TransferPlan, codecs: CodecConfig, job: str = ""
+) -> LinkChoice:
     """The job's transport, chosen per link (:func:`~weightbus.transports.links.choose_links`);
     with codecs, only transports whose writers send what they encoded.
 
@@ -971,7 +989,7 @@ def _select_transport(
             "or turn SyncConfig.fp8 / delta off for this job"
         )
     choice.log(job)
-    return build_transport(choice, **config)
+    return choice
 
 
 def _staging_buffers(

@@ -34,10 +34,14 @@ How a plan is made:
    much on average (half a bucket by default; 3/4 with ``route_bytes`` a quarter). Buckets
    are numbered in the order of where they start in their link's byte stream, so executing
    them in order keeps every link busy at once, each advancing at the same rate in bytes.
+   With ``pack_mixed``, a link where some route of at least ``direct_bytes`` is not
+   contiguous in its writer's or reader's local tensor (it would travel alone, but staged on
+   that side) has every route packed: fewer, larger messages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import gc
 import hashlib
@@ -86,6 +90,13 @@ class PlanOptions:
     direct_bytes: int = 4 * MiB
     """Routes of at least this many bytes get a bucket of their own, so that a side whose region
     is contiguous sends or receives it in place, without staging; 0 turns this off."""
+    pack_mixed: bool = False
+    """On a *mixed* link (one with a route of at least ``direct_bytes`` whose region is not
+    contiguous in its writer's or its reader's local tensor, so it would travel alone but
+    staged on that side: a row-parallel engine weight from a trainer sharded by rows, say),
+    no route travels alone: all are packed into buckets (:attr:`PlanStats.mixed_links`).
+    Fewer, larger messages; a copy more on each side. The sessions set it for jobs over NCCL
+    alone, where it was measured (``SyncConfig`` and :attr:`Transport.pack_mixed_links`)."""
 
     def __post_init__(self) -> None:
         cast = self.cast.items() if isinstance(self.cast, Mapping) else self.cast
@@ -117,9 +128,10 @@ class PlanOptions:
     def key(self) -> str:
         """These options as one string, part of the plan's digest."""
         route = f"route={self.route_bytes};" if self.route_bytes else ""
+        mixed = "pack_mixed;" if self.pack_mixed else ""
         return (
             f"bucket={self.bucket_bytes};{route}align={self.align};direct={self.direct_bytes};"
-            f"cast={self.cast};ignore={self.ignore_unread}"
+            f"{mixed}cast={self.cast};ignore={self.ignore_unread}"
         )
 
 
@@ -181,6 +193,9 @@ class PlanStats:
     """max / mean bytes over writers that hold any data the readers need (1.0 is perfect)."""
     reader_imbalance: float
     seconds: float
+    mixed_links: tuple[tuple[int, int], ...] = ()
+    """(writer index, reader index) of each mixed link (see :attr:`PlanOptions.pack_mixed`),
+    whether or not the plan packed them."""
 
     def summary(self) -> str:
         return (
@@ -822,6 +837,16 @@ def _make_plan(
     # routes of at least direct_bytes travel alone (a sender or receiver whose region is
     # contiguous then skips staging); the others are packed into buckets, per link, in order
     alone = nbytes >= opts.direct_bytes if opts.direct_bytes > 0 else np.zeros(n, bool)
+    # mixed links: one of their lone routes is not contiguous on one side (staged there)
+    ext = re_ - rs
+    staged = alone & ~(
+        _contiguous(ext, w.local_shape[wrow]) & _contiguous(ext, r.local_shape[rrow])
+    )
+    mixed = np.zeros(len(link_first), bool)
+    mixed[link_id[staged]] = True
+    mixed_links = tuple((int(src[i]), int(dst[i])) for i in link_first[np.flatnonzero(mixed)])
+    if opts.pack_mixed:
+        alone &= ~mixed[link_id]
     packed = np.where(alone, 0, padded)
     cum = np.cumsum(packed)
     link_base = np.append(0, cum)[link_first][link_id]
@@ -884,6 +909,7 @@ def _make_plan(
         position=stream_pos[exec_order],
     )
     stats = _stats(routes, buckets, len(writers), len(readers), time.perf_counter() - t0)
+    stats = dataclasses.replace(stats, mixed_links=mixed_links)
     digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts, ndim)
     plan = TransferPlan(
         writers=writers,
@@ -898,6 +924,19 @@ def _make_plan(
     )
     logger.debug("plan %s: %s", digest[:12], stats.summary())
     return plan
+
+
+def _contiguous(extent: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """Per row, whether a region of ``extent`` (per dim, right-aligned) lies contiguous in a
+    row-major tensor of ``shape`` (the same dims): every dim is of extent 1 or all the dims
+    after it are whole."""
+    if extent.shape[1] == 0:
+        return np.ones(len(extent), bool)
+    whole = extent == shape
+    # after[:, i]: every dim after i is whole
+    after = np.ones_like(whole)
+    after[:, :-1] = np.logical_and.accumulate(whole[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    return ((extent == 1) | after).all(axis=1)
 
 
 def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float) -> PlanStats:
