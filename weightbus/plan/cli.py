@@ -52,6 +52,8 @@ def report(plan: TransferPlan) -> dict:
         "reader_imbalance": s.reader_imbalance,
         "largest_bucket": int(plan.buckets.nbytes.max()) if len(plan.buckets) else 0,
         "plan_seconds": s.seconds,
+        "mixed_links": len(s.mixed_links),
+        "pack_mixed": plan.options.pack_mixed,
     }
 
 
@@ -68,6 +70,17 @@ def print_report(r: dict, out=sys.stdout) -> None:
         f"(max/mean {r['reader_imbalance']:.3f})",
         f"  planned in     {r['plan_seconds']:.3f} s",
     ]
+    if r["mixed_links"]:
+        what = (
+            "every route of them packed, as jobs over NCCL plan them"
+            if r["pack_mixed"]
+            else "jobs over NCCL pack every route of them: --pack-mixed shows that plan"
+        )
+        lines.insert(
+            -1,
+            f"  mixed links    {r['mixed_links']} of {r['links']} (a large route strided on one "
+            f"side): {what}",
+        )
     print("\n".join(lines), file=out)
 
 
@@ -214,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writer-dtype", default=None, help="trainer dtype (default: the model's)")
     p.add_argument("--reader-dtype", default=None, help="inference dtype (default: the model's)")
     p.add_argument("--bucket-mb", type=int, default=None, help="bucket size in MiB (default 256)")
+    p.add_argument(
+        "--pack-mixed",
+        action="store_true",
+        help="pack every route of mixed links, as jobs over NCCL plan (PlanOptions.pack_mixed)",
+    )
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     sim_flags = _add_simulate_args(p)
     a = p.parse_args(argv)
@@ -245,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t0
         wd, rd = writer_dtype or model.dtype, reader_dtype or model.dtype
         cast = ((wd, rd),) if wd != rd else ()
-        options = PlanOptions(bucket_bytes=bucket_mb << 20, cast=cast)
+        options = PlanOptions(bucket_bytes=bucket_mb << 20, cast=cast, pack_mixed=a.pack_mixed)
         simulation = _simulation(a) if a.simulate else None
         if simulation is not None and simulation[2].wire == "fp8":
             options = CodecConfig(fp8=Fp8Config()).plan_options(options)  # as a job plans
