@@ -838,12 +838,11 @@ def _make_plan(
     # contiguous then skips staging); the others are packed into buckets, per link, in order
     alone = nbytes >= opts.direct_bytes if opts.direct_bytes > 0 else np.zeros(n, bool)
     # mixed links: one of their lone routes is not contiguous on one side (staged there)
-    ext = re_ - rs
-    staged = alone & ~(
-        _contiguous(ext, w.local_shape[wrow]) & _contiguous(ext, r.local_shape[rrow])
-    )
+    lone = np.flatnonzero(alone)
+    ext = re_[lone] - rs[lone]
+    flat = _contiguous(ext, w.local_shape[wrow[lone]]) & _contiguous(ext, r.local_shape[rrow[lone]])
     mixed = np.zeros(len(link_first), bool)
-    mixed[link_id[staged]] = True
+    mixed[link_id[lone[~flat]]] = True
     mixed_links = tuple((int(src[i]), int(dst[i])) for i in link_first[np.flatnonzero(mixed)])
     if opts.pack_mixed:
         alone &= ~mixed[link_id]
