@@ -388,8 +388,9 @@ class NcclTransport(Transport):
                 f"nccl: {me.name} made none of its links to {names} in "
                 f"{self.timeout.total_seconds():.0f} s (made {len(peers) - len(names)} of "
                 f"{len(peers)}): NCCL makes a link when both ends connect; are those "
-                "participants connecting, on GPUs NCCL can reach? Raise ControlConfig.timeout "
-                "if they are slow to start"
+                "participants connecting, on GPUs NCCL can reach? If they are slow to start, "
+                "raise this transport's timeout (a Writer's or Reader's is the larger of "
+                "SyncConfig.sync_timeout and step_timeout)"
             ) from None
         torch.cuda.synchronize(device)
 
