@@ -61,22 +61,27 @@ def test_plan_prints_statistics_and_json():
     assert stats["writers"] == 4 and stats["readers"] == 1 and stats["routes"] > 0
 
 
-def test_plan_reports_mixed_links_and_packs_them_when_asked():
+def test_plan_reports_mixed_links_and_packs_them_when_asked(capfd):
     """FSDP 2 -> tensor parallel 2 of Llama-3-8B: every link carries a large row-parallel
     route strided on its writer (mixed); the report says so and how jobs over NCCL plan
     them, and --pack-mixed plans that: the same bytes in far fewer buckets."""
-    args = ("plan", "--model", "llama-3-8b", "--writers", "fsdp:shard=2", "--readers", "vllm:tp=2")
-    out = _run(*args)
-    assert out.returncode == 0, out.stderr
-    assert "mixed links    4 of 4" in out.stdout and "--pack-mixed shows that plan" in out.stdout
-    alone = json.loads(_run(*args, "--json").stdout)
-    packed = json.loads(_run(*args, "--json", "--pack-mixed").stdout)
+    from weightbus.plan.cli import main
+
+    def plan(*args: str) -> str:
+        capfd.readouterr()
+        assert main(["--model", *args]) == 0
+        return capfd.readouterr().out
+
+    args = ("llama-3-8b", "--writers", "fsdp:shard=2", "--readers", "vllm:tp=2")
+    text = plan(*args)
+    assert "mixed links    4 of 4" in text and "--pack-mixed shows that plan" in text
+    alone = json.loads(plan(*args, "--json"))
+    packed = json.loads(plan(*args, "--json", "--pack-mixed"))
     assert alone["mixed_links"] == packed["mixed_links"] == 4
     assert (alone["pack_mixed"], packed["pack_mixed"]) == (False, True)
     assert packed["total_bytes"] == alone["total_bytes"]
     assert packed["buckets"] < alone["buckets"] // 4, (packed["buckets"], alone["buckets"])
-    whole = _run("plan", "--model", "tiny-llama", "--writers", "whole", "--readers", "vllm:tp=1")
-    assert whole.returncode == 0 and "mixed links" not in whole.stdout
+    assert "mixed links" not in plan("tiny-llama", "--writers", "whole", "--readers", "vllm:tp=1")
 
 
 def test_plan_reports_bad_input_clearly():
