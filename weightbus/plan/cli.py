@@ -57,7 +57,9 @@ def report(plan: TransferPlan) -> dict:
     }
 
 
-def print_report(r: dict, out=sys.stdout) -> None:
+def print_report(r: dict, out=None) -> None:
+    """Print :func:`report`'s statistics (to ``out``, default the current ``sys.stdout``)."""
+    out = out if out is not None else sys.stdout
     w, rd = r["writer_bytes"], r["reader_bytes"]
     lines = [
         f"plan {r['digest'][:16]}",
