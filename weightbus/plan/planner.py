@@ -41,7 +41,6 @@ How a plan is made:
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import gc
 import hashlib
@@ -907,8 +906,8 @@ def _make_plan(
         count=b_count[exec_order],
         position=stream_pos[exec_order],
     )
-    stats = _stats(routes, buckets, len(writers), len(readers), time.perf_counter() - t0)
-    stats = dataclasses.replace(stats, mixed_links=mixed_links)
+    seconds = time.perf_counter() - t0
+    stats = _stats(routes, buckets, len(writers), len(readers), seconds, mixed_links)
     digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts, ndim)
     plan = TransferPlan(
         writers=writers,
@@ -938,7 +937,14 @@ def _contiguous(extent: np.ndarray, shape: np.ndarray) -> np.ndarray:
     return ((extent == 1) | after).all(axis=1)
 
 
-def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float) -> PlanStats:
+def _stats(
+    routes: Routes,
+    buckets: Buckets,
+    n_w: int,
+    n_r: int,
+    seconds: float,
+    mixed_links: tuple[tuple[int, int], ...] = (),
+) -> PlanStats:
     wb = np.bincount(routes.src, weights=routes.nbytes, minlength=n_w).astype(np.int64)
     rb = np.bincount(routes.dst, weights=routes.nbytes, minlength=n_r).astype(np.int64)
     link = np.bincount(
@@ -960,6 +966,7 @@ def _stats(routes: Routes, buckets: Buckets, n_w: int, n_r: int, seconds: float)
         writer_imbalance=imbalance(active_w),
         reader_imbalance=imbalance(rb),
         seconds=seconds,
+        mixed_links=mixed_links,
     )
 
 

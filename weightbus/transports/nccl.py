@@ -369,7 +369,7 @@ class NcclTransport(Transport):
         assert me is not None
         device = self._device
         op = "send" if me.role == "writer" else "recv"
-        ones = torch.zeros(max(len(peers), 1), dtype=torch.uint8, device=device)
+        ones = torch.zeros(len(peers), dtype=torch.uint8, device=device)
 
         def make(i: int) -> None:
             torch.cuda.set_device(device)  # (the current device is per thread)
