@@ -9,10 +9,14 @@ cuda:2, every reader reading from both writers. writer-0 and reader-0 share cuda
 between them) and are both in the NCCL links' group (writer-0 -> reader-1, writer-1 ->
 reader-0), which NCCL joins pair by pair and never the two of cuda:0.
 
+FSDP to tensor parallel over NCCL alone, two processes on each of two GPUs: writers on cuda:0,
+readers on cuda:1, every link carrying row-parallel routes strided on its writer (mixed links),
+which the job packs into buckets (``SyncConfig.pack_mixed``) or, with it off, sends alone.
+
 Every participant is a process of its own; the readers' tensors are poisoned (NaN) before
 every sync and compared bit for bit.
 
-Marked ``gpu``; skipped without 3 CUDA GPUs. Run with ``python -m pytest -m gpu
+Marked ``gpu``; skipped without 3 (the FSDP jobs over NCCL alone: 2) CUDA GPUs. Run with ``python -m pytest -m gpu
 tests/test_gpu_links.py``.
 """
 
@@ -32,8 +36,15 @@ pytestmark = pytest.mark.gpu
 
 MODEL = "tiny-llama"
 SYNCS = 3
-# per job: writers' GPUs, readers' GPUs, readers' tensor-parallel size (1: replicas)
-JOBS = {"replicas": ([0], [0, 1, 2], 1), "colocated": ([0, 1], [0, 2], 2)}
+# per job: writers' GPUs, readers' GPUs, readers' tensor-parallel size (1: replicas),
+# SyncConfig fields beyond those every job sets
+NCCL_ALONE = {"transport": "nccl"}
+JOBS = {
+    "replicas": ([0], [0, 1, 2], 1, {}),
+    "colocated": ([0, 1], [0, 2], 2, {}),
+    "mixed-packed": ([0, 0], [1, 1], 2, NCCL_ALONE),
+    "mixed-alone": ([0, 0], [1, 1], 2, NCCL_ALONE | {"pack_mixed": False}),
+}
 
 
 def _canonical(model, version: int, device) -> dict[str, torch.Tensor]:
@@ -46,7 +57,7 @@ def _canonical(model, version: int, device) -> dict[str, torch.Tensor]:
 
 def _worker(role: str, rank: int, gpu: int, port: int, job: str, shape: str, q) -> None:
     name = f"{role}-{rank}"
-    writer_gpus, reader_gpus, tp = JOBS[shape]
+    writer_gpus, reader_gpus, tp, extra = JOBS[shape]
     try:
         from weightbus import BoundLayout, ControlConfig, Participant, Reader, SyncConfig, Writer
         from weightbus.layouts.families import model_spec
@@ -72,7 +83,7 @@ def _worker(role: str, rank: int, gpu: int, port: int, job: str, shape: str, q) 
             job=job,
             timeout=timedelta(seconds=120),
         )
-        sync = SyncConfig(
+        fields = dict(
             transport={"same_host": "nccl"},  # same_gpu stays automatic: cuda_ipc
             bucket_bytes=1 << 20,
             staging_buffers=2,
@@ -81,6 +92,7 @@ def _worker(role: str, rank: int, gpu: int, port: int, job: str, shape: str, q) 
             step_timeout=timedelta(seconds=120),
             connect_timeout=timedelta(seconds=120),
         )
+        sync = SyncConfig(**(fields | extra))
         bound = BoundLayout(layout=layout, tensors=tensors)
         side = Writer(bound, control, sync) if role == "writer" else Reader(bound, control, sync)
         plan = side.connect()
@@ -88,6 +100,9 @@ def _worker(role: str, rank: int, gpu: int, port: int, job: str, shape: str, q) 
         report = {
             "kind": type(t).__name__,
             "subs": sorted(getattr(t, "_subs", {t.name: None})),
+            "mixed_links": [list(x) for x in plan.stats.mixed_links],
+            "pack_mixed": plan.options.pack_mixed,
+            "digest": plan.digest,
             "off": [],
             "bytes": [],
         }
@@ -128,7 +143,7 @@ def _run(shape: str) -> dict:
     job = f"gpu-links-{shape}-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    writer_gpus, reader_gpus, _ = JOBS[shape]
+    writer_gpus, reader_gpus, _, _ = JOBS[shape]
     who = [("writer", r, g) for r, g in enumerate(writer_gpus)]
     who += [("reader", r, g) for r, g in enumerate(reader_gpus)]
     procs = [
@@ -176,3 +191,17 @@ def test_colocated_resharding_over_cuda_ipc_and_nccl_bit_exact():
     out = _run("colocated")
     assert out["writer-0"]["subs"] == out["reader-0"]["subs"] == ["cuda_ipc", "nccl"]
     assert out["writer-1"]["subs"] == out["reader-1"]["subs"] == ["nccl"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape,packed", [("mixed-packed", True), ("mixed-alone", False)])
+def test_fsdp_to_tensor_parallel_mixed_links_over_nccl_bit_exact(shape, packed):
+    """Every link is mixed (row-parallel routes of at least direct_bytes strided on the FSDP
+    writer); over NCCL the job packs them by default, with ``pack_mixed=False`` they travel
+    alone; both bit exact, every participant on the same plan."""
+    out = _run(shape)
+    assert {r["kind"] for r in out.values()} == {"NcclTransport"}
+    assert len({r["digest"] for r in out.values()}) == 1
+    assert out["writer-0"]["mixed_links"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert {r["pack_mixed"] for r in out.values()} == {packed}
