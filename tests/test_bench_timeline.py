@@ -224,3 +224,65 @@ def test_results_files_are_named_by_the_gpu_model_not_its_memory():
     assert machine_kind(1, "NVIDIA A100-SXM4-80GB") == "1xa100"
     assert machine_kind(1, "NVIDIA GeForce RTX 4090") == "1x4090"
     assert machine_kind(8, "NVIDIA L40S") == "8xl40s"
+
+
+def test_a_second_results_file_of_the_day_does_not_overwrite_the_first(tmp_path):
+    from weightbus.bench import results_path
+
+    first = results_path(tmp_path / "r", "2026-11-28-4xh200")
+    assert first == tmp_path / "r" / "2026-11-28-4xh200.json"
+    first.write_text("{}")
+    second = results_path(tmp_path / "r", "2026-11-28-4xh200")
+    assert second.name == "2026-11-28-4xh200-2.json"
+    second.with_suffix(".png").write_bytes(b"")  # a plot alone holds its name too
+    assert results_path(tmp_path / "r", "2026-11-28-4xh200").name == "2026-11-28-4xh200-3.json"
+
+
+def _git(cwd, *args):
+    import subprocess
+
+    env = {
+        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(cwd), "PATH": __import__("os").environ["PATH"],
+    }  # fmt: skip
+    return subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def test_results_name_the_tree_that_ran_even_where_git_metadata_is_older(tmp_path, monkeypatch):
+    """A copy of the source whose git metadata is one commit behind its files: the results
+    name the commit git knows, say the files differ, and give the files' own tree, which is
+    the tree of the commit that holds them."""
+    from weightbus.bench import source_identity
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("one\n")
+    (repo / "sub").mkdir()
+    (repo / "sub" / "b.py").write_text("two\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "first")
+    old = _git(repo, "rev-parse", "HEAD")
+    monkeypatch.chdir(repo / "sub")  # from anywhere in the checkout
+    monkeypatch.delenv("WEIGHTBUS_COMMIT", raising=False)
+    same = source_identity()
+    assert same == {
+        "commit": old,
+        "tree": _git(repo, "rev-parse", "HEAD^{tree}"),
+        "tree_differs_from_commit": False,
+    }
+    (repo / "a.py").write_text("one, changed\n")
+    _git(repo, "commit", "-qam", "second")
+    new_tree = _git(repo, "rev-parse", "HEAD^{tree}")
+    _git(repo, "reset", "-q", "--soft", old)  # the metadata falls behind the files
+    _git(repo, "reset", "-q")
+    got = source_identity()
+    assert got == {"commit": old, "tree": new_tree, "tree_differs_from_commit": True}
+    assert _git(repo, "status", "--porcelain") == "M a.py"  # the checkout's index untouched
+    monkeypatch.setenv("WEIGHTBUS_COMMIT", "f" * 40)  # unknown here: git cannot tell
+    assert source_identity()["tree_differs_from_commit"] is None
+    monkeypatch.chdir(tmp_path)  # no checkout at all
+    monkeypatch.delenv("WEIGHTBUS_COMMIT")
+    assert source_identity() == {"commit": "", "tree": "", "tree_differs_from_commit": None}

@@ -48,14 +48,13 @@ import re
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 import zlib
 from pathlib import Path
 
-from weightbus.bench import machine_kind
+from weightbus.bench import machine_kind, results_path, source_identity
 
 SCENARIOS = {
     # name: (writer description, reader description, GPUs, target, what the target compares)
@@ -707,19 +706,6 @@ def _check_settings(p: argparse.ArgumentParser, var: _Variant) -> None:
             p.error(f"{where}{flags}: {exc}")
 
 
-def _tree_differs(commit: str) -> bool | None:
-    """Whether the tracked files here differ from ``commit`` (None: git cannot tell, e.g. no
-    checkout, or the commit is unknown to it). A copy of a tree whose git metadata is older
-    than its files would otherwise be recorded as the older commit."""
-    try:
-        git = subprocess.run(
-            ["git", "diff", "--quiet", commit, "--"], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {0: False, 1: True}.get(git.returncode)
-
-
 def _display(entry: dict) -> str:
     """A results entry's name with its variant and round, for tables and plots."""
     name = entry["name"]
@@ -1101,21 +1087,12 @@ def main(argv: list[str] | None = None) -> int:
                         entry["round"] = rnd + 1
                     scenarios.append(entry)
     del server
-    # the commit measured: $WEIGHTBUS_COMMIT when set (a copy of the tree may sit inside an
-    # unrelated or stale checkout), else git's answer
-    commit = os.environ.get("WEIGHTBUS_COMMIT", "")
-    if not commit:
-        try:
-            git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-            if git.returncode == 0 and len(git.stdout.strip()) == 40:
-                commit = git.stdout.strip()
-        except OSError:
-            pass
-    differs = _tree_differs(commit) if commit else None
-    if differs:
+    source = source_identity()
+    if source["tree_differs_from_commit"]:
         print(
-            f"weightbus bench gpu: the tracked files differ from commit {commit[:12]}: the "
-            "results say so (tree_differs_from_commit); commit first, or set WEIGHTBUS_COMMIT",
+            f"weightbus bench gpu: the tracked files differ from commit "
+            f"{source['commit'][:12]}: the results say so (tree_differs_from_commit, and the "
+            f"files' own tree {source['tree'][:12]}); commit first, or set WEIGHTBUS_COMMIT",
             flush=True,
         )
     date = dt.date.today().isoformat()
@@ -1123,8 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": date,
         "machine": f"{n_gpu}x {name}",
-        "commit": commit,
-        "tree_differs_from_commit": differs,
+        **source,
         "model": a.model,
         "bucket_mb": a.bucket_mb,
         "staging_buffers": a.staging,
@@ -1139,9 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = rounds_summary(scenarios)
     if summary:
         result["rounds_summary"] = summary
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{date}-{kind}.json"
+    path = results_path(a.out, f"{date}-{kind}")
     path.write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, path.with_suffix(".png"))
     print(f"results: {path}", flush=True)

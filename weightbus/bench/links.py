@@ -28,8 +28,8 @@ import sys
 import time
 import traceback
 import uuid
-from pathlib import Path
 
+from weightbus.bench import machine_kind, results_path, source_identity
 from weightbus.bench.gpu import _free_port, _run_group, bench_configs
 from weightbus.transports.nccl import CONNECT_AT_ONCE
 
@@ -318,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"connect {row['writer_connect_s_max']:.1f} / {row['reader_connect_s_max']:.1f} s",
                 flush=True,
             )
-    kind = a.kind or f"{torch.cuda.device_count()}x{name.split()[-1].lower()}"
-    out = Path(a.out) / f"{result['date']}-{kind}-nccl-links-cost.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    kind = a.kind or machine_kind(torch.cuda.device_count(), name)
+    result.update(source_identity())
+    out = results_path(a.out, f"{result['date']}-{kind}-nccl-links-cost")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}", flush=True)
     return 0

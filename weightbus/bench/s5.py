@@ -45,9 +45,8 @@ import sys
 import time
 import traceback
 import zlib
-from pathlib import Path
 
-from weightbus.bench import machine_kind
+from weightbus.bench import machine_kind, results_path, source_identity
 
 CE_NOTED_GBPS = 33.8  # checkpoint-engine 0.4.2 per GPU on 4 x H200, from the design notes
 READERS = "vllm:tp=1,dp={gpus}"
@@ -561,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": date,
         "machine": f"{n_gpu}x {name}",
-        "commit": os.environ.get("WEIGHTBUS_COMMIT", ""),
+        **source_identity(),
         "model": a.model,
         "bucket_mb": a.bucket_mb,
         "iters": a.iters,
@@ -570,9 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": {"ipc_pull_gbps": round(ipc, 1)},
         "scenarios": [entry] if entry else [],
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{date}-{kind}-s5.json"
+    path = results_path(a.out, f"{date}-{kind}-s5")
     path.write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, path.with_suffix(".png"))
     print(f"results: {path}", flush=True)
