@@ -418,3 +418,40 @@ def test_mixed_links_pack_every_route_when_asked(pack):
         make_plan(whole, one, dataclasses.replace(opts, pack_mixed=False)),
     )
     assert a.stats.mixed_links == () and np.array_equal(a.buckets.count, c.buckets.count)
+
+
+@pytest.mark.parametrize("answer", [False, True])
+def test_pack_mixed_if_decides_from_the_links_in_one_plan(answer):
+    """``pack_mixed_if`` sees every link and the mixed ones as participant pairs before any
+    bucket is made; its answer gives exactly the plan that ``options.pack_mixed`` would.
+    Without mixed links a True answer changes nothing; with ``options.pack_mixed`` set it is
+    not asked."""
+    from weightbus.layouts import describe
+    from weightbus.layouts.families import model_spec
+
+    model = model_spec("tiny-llama")
+    w = describe.build_layouts(model, "fsdp:shard=2", "writer", dtype="float32")
+    r = describe.build_layouts(model, "vllm:tp=2", "reader", dtype="float32")
+    opts = PlanOptions(bucket_bytes=64 << 10, direct_bytes=2 << 10)
+    asked = []
+
+    def pack_mixed_if(links, mixed):
+        asked.append((links, mixed))
+        return answer
+
+    plan = make_plan(w, r, opts, pack_mixed_if=pack_mixed_if)
+    pairs = tuple((a.participant, b.participant) for a in w for b in r)
+    assert asked == [(pairs, pairs)]
+    want = make_plan(w, r, dataclasses.replace(opts, pack_mixed=answer))
+    assert plan.digest == want.digest and plan.options.pack_mixed is answer
+    assert np.array_equal(plan.buckets.nbytes, want.buckets.nbytes)
+    asked.clear()
+    make_plan(w, r, dataclasses.replace(opts, pack_mixed=True), pack_mixed_if=pack_mixed_if)
+    assert asked == []
+    whole = describe.build_layouts(model, "whole", "writer", dtype="float32")
+    two = describe.build_layouts(model, "vllm:tp=1,dp=2", "reader", dtype="float32")
+    plain = make_plan(whole, two, opts, pack_mixed_if=pack_mixed_if)
+    links = tuple((whole[0].participant, x.participant) for x in two)
+    assert asked == [(links, ())]
+    assert plain.options.pack_mixed is False
+    assert plain.digest == make_plan(whole, two, opts).digest

@@ -236,13 +236,14 @@ def test_ends_with_other_channel_budgets_settle_per_link(nccl_stand_ins, monkeyp
     "transport,pack_mixed,packed", [(NAME, True, True), (NAME, False, False), ("gloo", True, False)]
 )
 def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
-    nccl_stand_ins, transport, pack_mixed, packed
+    nccl_stand_ins, monkeypatch, transport, pack_mixed, packed
 ):
     """FSDP on 2 writers -> tensor parallel 2: every link carries a large row-parallel route
     strided on its writer (a mixed link). Over the nccl transport (its logic on CPU) the job
     is planned with every route of those links packed (``SyncConfig.pack_mixed``, on by
     default), alike on every participant; with it off, or over gloo, large routes travel
-    alone. Each reader's poisoned tensors bit exact after each of 3 syncs."""
+    alone. Each reader's poisoned tensors bit exact after each of 3 syncs. Each participant
+    plans once (the transport is chosen from the plan's links before its buckets)."""
     from tests.test_faults_membership import configs
     from tests.test_transport_links import MODEL, _canonical, _off, _poison, _writer
     from tests.threads import run_threads
@@ -256,6 +257,16 @@ def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job = f"nccl-cpu-mixed-{uuid.uuid4().hex[:6]}"
     syncs = 3
+    from weightbus import _session
+
+    planned = []  # (list.append is atomic across threads)
+    make_plan = _session.make_plan
+
+    def counted(*args, **kwargs):
+        planned.append(threading.current_thread().name)
+        return make_plan(*args, **kwargs)
+
+    monkeypatch.setattr(_session, "make_plan", counted)
 
     def cfg():
         return configs(
@@ -299,4 +310,5 @@ def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
     plan = plans[0]
     assert plan.stats.mixed_links == ((0, 0), (0, 1), (1, 0), (1, 1))
     assert plan.options.pack_mixed is packed
+    assert len(planned) == 4, planned
     assert out["reader-0"][1] == out["reader-1"][1] == [0] * syncs

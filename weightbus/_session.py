@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from weightbus.plan.codec_plan import (
     wire_layout,
 )
 from weightbus.plan.program import BucketCopier, BucketOp, direct_view
-from weightbus.spec import BoundLayout, Layout, LayoutError
+from weightbus.spec import BoundLayout, Layout, LayoutError, Participant
 from weightbus.transports.base import Program, Transport, transport_class
 from weightbus.transports.links import LinkChoice, build_transport, check_choice, choose_links
 from weightbus.verify import Verifier, level_mismatch
@@ -295,17 +296,22 @@ class _Session:
         )
         self._refuse(refused)
         t_plan = time.perf_counter()
-        plan = self._make_plan(writers, readers)
-        cfg = self.config
-        choice = _choose_transport(cfg.transport, plan, codecs, job=self.control.config.job)
-        if (
-            plan.stats.mixed_links
-            and cfg.pack_mixed
-            and not codecs.active
-            and all(transport_class(t).pack_mixed_links for t in choice.transports)
-        ):
-            # the same links and participants, so the same choice serves this plan too
-            plan = self._make_plan(writers, list(plan.readers), pack_mixed=True)
+        cfg, job = self.config, self.control.config.job
+        chosen: list[LinkChoice] = []
+
+        def pack_mixed_if(people, links, _mixed) -> bool:
+            # the transport per link, from the plan's links, before its buckets are made:
+            # where every link's transport asks for it, mixed links are packed (one plan)
+            chosen[:] = [_choose_transport(cfg.transport, people, codecs, job=job, links=links)]
+            return (
+                cfg.pack_mixed
+                and not codecs.active
+                and all(transport_class(t).pack_mixed_links for t in chosen[0].transports)
+            )
+
+        plan = self._make_plan(writers, readers, pack_mixed_if)
+        choice = chosen[0] if chosen else _choose_transport(cfg.transport, plan, codecs, job=job)
+        if plan.options.pack_mixed:
             logger.info(
                 "weightbus: %s packs every route of %d mixed links (%s) into buckets: a "
                 "large route on each would be staged on one side (SyncConfig.pack_mixed)",
@@ -519,15 +525,15 @@ class _Session:
         here must be done by every participant of the epoch."""
 
     def _make_plan(
-        self, writers: list[Layout], readers: list[Layout], pack_mixed: bool = False
+        self, writers: list[Layout], readers: list[Layout], pack_mixed_if: Callable | None = None
     ) -> TransferPlan:
         """The plan for this epoch's layouts. Readers are numbered by their place among the
         epoch's readers (ranks may have gaps once some left). A reader that joined in this
         epoch and whose layout cannot be planned is refused, and the others planned without
-        it; the others' own disagreements raise as usual."""
+        it; the others' own disagreements raise as usual. ``pack_mixed_if(participants,
+        links, mixed links)``: :func:`~weightbus.plan.make_plan`'s, with the plan's
+        participants first."""
         options = self.config.plan_options()
-        if pack_mixed:
-            options = dataclasses.replace(options, pack_mixed=True)
         if not readers:
             raise MembershipError(
                 f"{self.name}: no reader is left in membership epoch {self.control.epoch} of "
@@ -538,7 +544,13 @@ class _Session:
         def plan_for(group: list[Layout]) -> TransferPlan:
             ranked = _numbered(group)
             check_codec_layouts(writers, ranked)
-            return make_plan(writers, ranked, options)
+            people = [lay.participant for lay in (*writers, *ranked)]
+            return make_plan(
+                writers,
+                ranked,
+                options,
+                pack_mixed_if=pack_mixed_if and functools.partial(pack_mixed_if, people),
+            )
 
         try:
             return plan_for(readers)
@@ -965,7 +977,11 @@ def post_groups(
 
 
 def _choose_transport(
-    name: str | Mapping[str, str], plan: TransferPlan, codecs: CodecConfig, job: str = ""
+    name: str | Mapping[str, str],
+    plan: TransferPlan | Sequence[Participant],
+    codecs: CodecConfig,
+    job: str = "",
+    links: Sequence[tuple[Participant, Participant]] | None = None,
 ) -> LinkChoice:
     """The job's transport, chosen per link (:func:`~weightbus.transports.links.choose_links`);
     with codecs, only transports whose writers send what they encoded.
@@ -975,13 +991,14 @@ def _choose_transport(
     transports, and one asked for (by name, per link class or in ``$WEIGHTBUS_TRANSPORT``) is
     refused rather than moving uncoded bytes. The choice depends only on the participants,
     the plan's links and the agreed codecs, so every process makes the same one; it is
-    logged once per job.
+    logged once per job. ``plan``: a plan, or the participants of one whose ``links`` are
+    given (the planner's, before it makes buckets).
     """
-    choice = choose_links(plan, transport=name, push_only=codecs.active)
+    choice = choose_links(plan, links, transport=name, push_only=codecs.active)
     pulling = choice.pulling()
     if codecs.active and pulling:
         kind, pulls = next(iter(pulling.items()))
-        why = transport_class("nccl").unsupported(plan.participants) or "it was not chosen"
+        why = transport_class("nccl").unsupported(choice.participants) or "it was not chosen"
         raise ValueError(
             f"codecs {codecs.summary()} need a transport whose writers encode and send each "
             f"bucket, but {pulls!r} pulls straight from the writers' tensors (no writer "

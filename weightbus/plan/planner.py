@@ -48,8 +48,8 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -722,10 +722,28 @@ def _assign_holders(
     return choice
 
 
+PackMixedIf = Callable[
+    [tuple[tuple[Participant, Participant], ...], tuple[tuple[Participant, Participant], ...]], bool
+]
+"""``(links, mixed links) -> pack them?``: see :func:`make_plan`."""
+
+
 def make_plan(
-    writers: Sequence[Layout], readers: Sequence[Layout], options: PlanOptions | None = None
+    writers: Sequence[Layout],
+    readers: Sequence[Layout],
+    options: PlanOptions | None = None,
+    *,
+    pack_mixed_if: PackMixedIf | None = None,
 ) -> TransferPlan:
     """Plan a transfer from ``writers`` to ``readers`` (each sorted by rank 0..n-1).
+
+    ``pack_mixed_if``: called once the routes are known and before any bucket is made, with
+    every link that carries data and the mixed ones among them, as (writer, reader)
+    participant pairs sorted by ranks; where it answers True and some link is mixed, the plan
+    is made as with ``options.pack_mixed`` (and says so in :attr:`TransferPlan.options`). For
+    a caller whose choice depends on the plan's links (a session choosing a transport per
+    link, which decides whether mixed links pack): one plan instead of two. Ignored when
+    ``options.pack_mixed`` is set.
 
     Raises :class:`~weightbus.spec.LayoutError` naming the tensor, the participants and the
     fix when the layouts cannot be satisfied; nothing is planned then.
@@ -735,14 +753,17 @@ def make_plan(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _make_plan(writers, readers, options)
+        return _make_plan(writers, readers, options, pack_mixed_if)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _make_plan(
-    writers: Sequence[Layout], readers: Sequence[Layout], options: PlanOptions | None
+    writers: Sequence[Layout],
+    readers: Sequence[Layout],
+    options: PlanOptions | None,
+    pack_mixed_if: PackMixedIf | None,
 ) -> TransferPlan:
     t0 = time.perf_counter()
     opts = options or PlanOptions()
@@ -843,6 +864,13 @@ def _make_plan(
     mixed = np.zeros(len(link_first), bool)
     mixed[link_id[lone[~flat]]] = True
     mixed_links = tuple((int(src[i]), int(dst[i])) for i in link_first[np.flatnonzero(mixed)])
+    if pack_mixed_if is not None and not opts.pack_mixed:
+
+        def pairs(at: np.ndarray) -> tuple[tuple[Participant, Participant], ...]:
+            return tuple((writers[src[i]].participant, readers[dst[i]].participant) for i in at)
+
+        if pack_mixed_if(pairs(link_first), pairs(link_first[mixed])) and mixed_links:
+            opts = replace(opts, pack_mixed=True)
     if opts.pack_mixed:
         alone &= ~mixed[link_id]
     packed = np.where(alone, 0, padded)
