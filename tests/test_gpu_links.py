@@ -7,7 +7,8 @@ forced to NCCL with ``SyncConfig(transport={"same_host": "nccl"})``).
 Colocated resharding: FSDP writers on cuda:0 and cuda:1, tensor-parallel readers on cuda:0 and
 cuda:2, every reader reading from both writers. writer-0 and reader-0 share cuda:0 (CUDA IPC
 between them) and are both in the NCCL links' group (writer-0 -> reader-1, writer-1 ->
-reader-0), which NCCL joins pair by pair and never the two of cuda:0.
+reader-0), which NCCL joins pair by pair and never the two of cuda:0. Every link is mixed
+(row-parallel routes strided on the writers): the NCCL ones pack them, the CUDA IPC one not.
 
 FSDP to tensor parallel over NCCL alone, two processes on each of two GPUs: writers on cuda:0,
 readers on cuda:1, every link carrying row-parallel routes strided on its writer (mixed links),
@@ -102,6 +103,7 @@ def _worker(role: str, rank: int, gpu: int, port: int, job: str, shape: str, q) 
             "subs": sorted(getattr(t, "_subs", {t.name: None})),
             "mixed_links": [list(x) for x in plan.stats.mixed_links],
             "pack_mixed": plan.options.pack_mixed,
+            "packed_links": [list(x) for x in plan.stats.packed_links],
             "digest": plan.digest,
             "off": [],
             "bytes": [],
@@ -191,6 +193,11 @@ def test_colocated_resharding_over_cuda_ipc_and_nccl_bit_exact():
     out = _run("colocated")
     assert out["writer-0"]["subs"] == out["reader-0"]["subs"] == ["cuda_ipc", "nccl"]
     assert out["writer-1"]["subs"] == out["reader-1"]["subs"] == ["nccl"]
+    # every link is mixed (row-parallel routes strided on the FSDP writers); the NCCL ones
+    # pack, the CUDA IPC one (writer-0 -> reader-0, on cuda:0) keeps its large routes alone
+    assert out["writer-0"]["mixed_links"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert {r["digest"] for r in out.values()} == {out["writer-0"]["digest"]}
+    assert out["writer-0"]["packed_links"] == [[0, 1], [1, 0], [1, 1]]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -205,3 +212,4 @@ def test_fsdp_to_tensor_parallel_mixed_links_over_nccl_bit_exact(shape, packed):
     assert len({r["digest"] for r in out.values()}) == 1
     assert out["writer-0"]["mixed_links"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert {r["pack_mixed"] for r in out.values()} == {packed}
+    assert out["writer-0"]["packed_links"] == (out["writer-0"]["mixed_links"] if packed else [])

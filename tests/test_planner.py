@@ -420,38 +420,70 @@ def test_mixed_links_pack_every_route_when_asked(pack):
     assert a.stats.mixed_links == () and np.array_equal(a.buckets.count, c.buckets.count)
 
 
-@pytest.mark.parametrize("answer", [False, True])
-def test_pack_mixed_if_decides_from_the_links_in_one_plan(answer):
-    """``pack_mixed_if`` sees every link and the mixed ones as participant pairs before any
-    bucket is made; its answer gives exactly the plan that ``options.pack_mixed`` would.
-    Without mixed links a True answer changes nothing; with ``options.pack_mixed`` set it is
-    not asked."""
+@pytest.mark.parametrize("pick", ["none", "some", "all"])
+def test_pack_mixed_links_picks_them_in_one_plan(pick):
+    """``pack_mixed_links`` sees every link and the mixed ones as participant pairs before
+    any bucket is made, and the mixed links it returns are packed: all of them is exactly
+    the plan ``options.pack_mixed`` makes, none the plan without; some packs those alone
+    (their routes in buckets, the other links' large routes alone), bit exact. Without
+    mixed links it changes nothing; with ``options.pack_mixed`` set it is not asked; a link
+    that is not mixed is refused, naming it."""
     from weightbus.layouts import describe
     from weightbus.layouts.families import model_spec
+    from weightbus.plan import poison
 
     model = model_spec("tiny-llama")
     w = describe.build_layouts(model, "fsdp:shard=2", "writer", dtype="float32")
     r = describe.build_layouts(model, "vllm:tp=2", "reader", dtype="float32")
     opts = PlanOptions(bucket_bytes=64 << 10, direct_bytes=2 << 10)
+    pairs = tuple((a.participant, b.participant) for a in w for b in r)
+    picked = {"none": (), "some": pairs[1:3], "all": pairs}[pick]
     asked = []
 
-    def pack_mixed_if(links, mixed):
+    def pack_mixed_links(links, mixed):
         asked.append((links, mixed))
-        return answer
+        return picked
 
-    plan = make_plan(w, r, opts, pack_mixed_if=pack_mixed_if)
-    pairs = tuple((a.participant, b.participant) for a in w for b in r)
+    plan = make_plan(w, r, opts, pack_mixed_links=pack_mixed_links)
     assert asked == [(pairs, pairs)]
-    want = make_plan(w, r, dataclasses.replace(opts, pack_mixed=answer))
-    assert plan.digest == want.digest and plan.options.pack_mixed is answer
-    assert np.array_equal(plan.buckets.nbytes, want.buckets.nbytes)
+    assert plan.stats.packed_links == {"none": (), "some": ((0, 1), (1, 0))}.get(
+        pick, plan.stats.mixed_links
+    )
+    assert plan.options.pack_mixed is (pick == "all")
+    alone = make_plan(w, r, opts)
+    packed = make_plan(w, r, dataclasses.replace(opts, pack_mixed=True))
+    if pick != "some":
+        want = packed if pick == "all" else alone
+        assert plan.digest == want.digest
+        assert np.array_equal(plan.buckets.nbytes, want.buckets.nbytes)
+    else:
+        b = plan.buckets
+        for wi, ri in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            ref = packed if (wi, ri) in plan.stats.packed_links else alone
+            on = (b.src == wi) & (b.dst == ri)
+            ref_on = (ref.buckets.src == wi) & (ref.buckets.dst == ri)
+            assert np.array_equal(b.nbytes[on], ref.buckets.nbytes[ref_on]), (wi, ri)
+        wt = [allocate(lay) for lay in w]
+        canon = {s.name: torch.randn(s.shape) for s in plan.tensors}
+        for lay, t in zip(w, wt, strict=True):
+            fill_from_canonical(lay, canon, t)
+        rt = [allocate(lay) for lay in r]
+        for t in rt:
+            for x in t.values():
+                poison(x)
+        execute(plan, wt, rt)
+        for lay, got in zip(r, rt, strict=True):
+            want_t = allocate(lay)
+            fill_from_canonical(lay, canon, want_t)
+            for k in want_t:
+                assert torch.equal(got[k], want_t[k]), k
     asked.clear()
-    make_plan(w, r, dataclasses.replace(opts, pack_mixed=True), pack_mixed_if=pack_mixed_if)
+    make_plan(w, r, packed.options, pack_mixed_links=pack_mixed_links)
     assert asked == []
     whole = describe.build_layouts(model, "whole", "writer", dtype="float32")
     two = describe.build_layouts(model, "vllm:tp=1,dp=2", "reader", dtype="float32")
-    plain = make_plan(whole, two, opts, pack_mixed_if=pack_mixed_if)
-    links = tuple((whole[0].participant, x.participant) for x in two)
-    assert asked == [(links, ())]
-    assert plain.options.pack_mixed is False
+    plain = make_plan(whole, two, opts, pack_mixed_links=lambda links, mixed: mixed)
+    assert plain.stats.packed_links == () and plain.options.pack_mixed is False
     assert plain.digest == make_plan(whole, two, opts).digest
+    with pytest.raises(ValueError, match="writer-0->reader-0, which is not a mixed link"):
+        make_plan(whole, two, opts, pack_mixed_links=lambda links, mixed: links[:1])

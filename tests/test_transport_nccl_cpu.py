@@ -231,9 +231,20 @@ def test_ends_with_other_channel_budgets_settle_per_link(nccl_stand_ins, monkeyp
     assert sorted(nccl_stand_ins.channels.items()) == [("0-1", {16}), ("0-2", {8})]
 
 
+ALL_LINKS = ((0, 0), (0, 1), (1, 0), (1, 1))
+# reader-0 says it is another process: its links are cpu_same_host, reader-1's cpu_same_process
+PER_LINK = {"cpu_same_host": NAME, "cpu_same_process": "local"}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "transport,pack_mixed,packed", [(NAME, True, True), (NAME, False, False), ("gloo", True, False)]
+    "transport,pack_mixed,packed",
+    [
+        (NAME, True, ALL_LINKS),
+        (NAME, False, ()),
+        ("gloo", True, ()),
+        (PER_LINK, True, ((0, 0), (1, 0))),
+    ],
 )
 def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
     nccl_stand_ins, monkeypatch, transport, pack_mixed, packed
@@ -242,8 +253,10 @@ def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
     strided on its writer (a mixed link). Over the nccl transport (its logic on CPU) the job
     is planned with every route of those links packed (``SyncConfig.pack_mixed``, on by
     default), alike on every participant; with it off, or over gloo, large routes travel
-    alone. Each reader's poisoned tensors bit exact after each of 3 syncs. Each participant
-    plans once (the transport is chosen from the plan's links before its buckets)."""
+    alone; in a job mixing it with the local transport (a pulling one, as CUDA IPC), only its
+    links pack. Each reader's poisoned tensors bit exact after each of 3 syncs. Each
+    participant plans once (the transport is chosen from the plan's links before its
+    buckets)."""
     from tests.test_faults_membership import configs
     from tests.test_transport_links import MODEL, _canonical, _off, _poison, _writer
     from tests.threads import run_threads
@@ -251,7 +264,7 @@ def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
     from weightbus.layouts.families import model_spec
     from weightbus.layouts.fused import engine_layout
     from weightbus.plan import allocate, fill_from_canonical
-    from weightbus.spec import Participant
+    from weightbus.spec import Participant, this_process
 
     model = model_spec(MODEL)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -287,7 +300,8 @@ def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
 
     def reader(rank):
         def body():
-            me = Participant(role="reader", rank=rank)
+            process = f"{this_process()}-elsewhere" if rank == 0 else None
+            me = Participant(role="reader", rank=rank, process=process)
             layout = engine_layout(model, me, tp=2, tp_rank=rank, dtype="bfloat16")
             bound = BoundLayout(layout=layout, tensors=allocate(layout))
             with Reader(bound, *cfg()) as r:
@@ -308,7 +322,8 @@ def test_fsdp_to_tensor_parallel_packs_mixed_links_over_nccl(
     plans = [out["writer-0"], out["writer-1"], out["reader-0"][0], out["reader-1"][0]]
     assert len({p.digest for p in plans}) == 1
     plan = plans[0]
-    assert plan.stats.mixed_links == ((0, 0), (0, 1), (1, 0), (1, 1))
-    assert plan.options.pack_mixed is packed
+    assert plan.stats.mixed_links == ALL_LINKS
+    assert plan.stats.packed_links == packed
+    assert plan.options.pack_mixed is (packed == ALL_LINKS)
     assert len(planned) == 4, planned
     assert out["reader-0"][1] == out["reader-1"][1] == [0] * syncs

@@ -68,11 +68,12 @@ class SyncConfig:
     """Routes this large travel alone and, where contiguous and needing no cast, in place (with
     a codec on, only routes of ``bucket_bytes`` and more travel alone: see plan_options)."""
     pack_mixed: bool = True
-    """Where every link's transport asks for it (NCCL: :attr:`Transport.pack_mixed_links`) and
-    no codec is on, plan with :attr:`PlanOptions.pack_mixed <weightbus.plan.PlanOptions.pack_mixed>`:
-    a link on which some large route would be staged on one side (a row-parallel engine
-    weight from a trainer sharded by rows) packs all its routes into buckets, fewer and larger
-    messages. False: large routes always travel alone. Must be equal on every participant."""
+    """With no codec on, a *mixed* link (one on which some large route would be staged on one
+    side: a row-parallel engine weight from a trainer sharded by rows) whose transport asks
+    for it (NCCL: :attr:`Transport.pack_mixed_links`) packs all its routes into buckets,
+    fewer and larger messages (as :attr:`PlanOptions.pack_mixed <weightbus.plan.PlanOptions.pack_mixed>`
+    does for every mixed link; CUDA IPC's links keep their large routes alone).
+    False: large routes always travel alone. Must be equal on every participant."""
     transport: str | Mapping[str, str] = "auto"
     """"auto" (choose per link from hosts, GPUs and processes), one transport name for every
     link ("nccl"), or per link class (``{"same_host": "nccl"}``, or ``"same_host=nccl"``;
@@ -299,29 +300,29 @@ class _Session:
         cfg, job = self.config, self.control.config.job
         chosen: list[LinkChoice] = []
 
-        def pack_mixed_if(people, links, _mixed) -> bool:
-            # the transport per link, from the plan's links, before its buckets are made:
-            # where every link's transport asks for it, mixed links are packed (one plan)
+        def pack_mixed_links(people, links, mixed):
+            # the transport per link, from the plan's links, before its buckets are made; the
+            # mixed links whose transport asks for it (NCCL's) are packed: one plan
             chosen[:] = [_choose_transport(cfg.transport, people, codecs, job=job, links=links)]
-            return (
-                cfg.pack_mixed
-                and not codecs.active
-                and all(transport_class(t).pack_mixed_links for t in chosen[0].transports)
-            )
+            if not cfg.pack_mixed or codecs.active:
+                return ()
+            of = {(x.writer, x.reader): x.transport for x in chosen[0].links}
+            return [
+                (w, r) for w, r in mixed if transport_class(of[w.name, r.name]).pack_mixed_links
+            ]
 
-        plan = self._make_plan(writers, readers, pack_mixed_if)
+        plan = self._make_plan(writers, readers, pack_mixed_links)
         choice = chosen[0] if chosen else _choose_transport(cfg.transport, plan, codecs, job=job)
-        if plan.options.pack_mixed:
+        packed = plan.stats.packed_links
+        if packed:
             logger.info(
-                "weightbus: %s packs every route of %d mixed links (%s) into buckets: a "
-                "large route on each would be staged on one side (SyncConfig.pack_mixed)",
+                "weightbus: %s packs every route of %d of %d mixed links (%s) into buckets: "
+                "a large route on each would be staged on one side (SyncConfig.pack_mixed)",
                 self.name,
+                len(packed),
                 len(plan.stats.mixed_links),
-                ", ".join(
-                    f"{plan.writers[w].name}->{plan.readers[r].name}"
-                    for w, r in plan.stats.mixed_links[:4]
-                )
-                + (", ..." if len(plan.stats.mixed_links) > 4 else ""),
+                ", ".join(f"{plan.writers[w].name}->{plan.readers[r].name}" for w, r in packed[:4])
+                + (", ..." if len(packed) > 4 else ""),
             )
         self.plan_seconds = time.perf_counter() - t_plan
         self._agree("plan", plan.digest, lambda exc: exc)
@@ -525,12 +526,15 @@ class _Session:
         here must be done by every participant of the epoch."""
 
     def _make_plan(
-        self, writers: list[Layout], readers: list[Layout], pack_mixed_if: Callable | None = None
+        self,
+        writers: list[Layout],
+        readers: list[Layout],
+        pack_mixed_links: Callable | None = None,
     ) -> TransferPlan:
         """The plan for this epoch's layouts. Readers are numbered by their place among the
         epoch's readers (ranks may have gaps once some left). A reader that joined in this
         epoch and whose layout cannot be planned is refused, and the others planned without
-        it; the others' own disagreements raise as usual. ``pack_mixed_if(participants,
+        it; the others' own disagreements raise as usual. ``pack_mixed_links(participants,
         links, mixed links)``: :func:`~weightbus.plan.make_plan`'s, with the plan's
         participants first."""
         options = self.config.plan_options()
@@ -549,7 +553,7 @@ class _Session:
                 writers,
                 ranked,
                 options,
-                pack_mixed_if=pack_mixed_if and functools.partial(pack_mixed_if, people),
+                pack_mixed_links=pack_mixed_links and functools.partial(pack_mixed_links, people),
             )
 
         try:

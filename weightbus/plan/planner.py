@@ -48,7 +48,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -195,6 +195,9 @@ class PlanStats:
     mixed_links: tuple[tuple[int, int], ...] = ()
     """(writer index, reader index) of each mixed link (see :attr:`PlanOptions.pack_mixed`),
     whether or not the plan packed them."""
+    packed_links: tuple[tuple[int, int], ...] = ()
+    """The mixed links whose every route the plan packed (all of them with
+    :attr:`PlanOptions.pack_mixed`; those a caller picked, see :func:`make_plan`)."""
 
     def summary(self) -> str:
         return (
@@ -722,10 +725,10 @@ def _assign_holders(
     return choice
 
 
-PackMixedIf = Callable[
-    [tuple[tuple[Participant, Participant], ...], tuple[tuple[Participant, Participant], ...]], bool
-]
-"""``(links, mixed links) -> pack them?``: see :func:`make_plan`."""
+Pair = tuple[Participant, Participant]
+"""A link: (writer, reader)."""
+PackMixedLinks = Callable[[tuple[Pair, ...], tuple[Pair, ...]], Iterable[Pair]]
+"""``(links, mixed links) -> the mixed links to pack``: see :func:`make_plan`."""
 
 
 def make_plan(
@@ -733,16 +736,17 @@ def make_plan(
     readers: Sequence[Layout],
     options: PlanOptions | None = None,
     *,
-    pack_mixed_if: PackMixedIf | None = None,
+    pack_mixed_links: PackMixedLinks | None = None,
 ) -> TransferPlan:
     """Plan a transfer from ``writers`` to ``readers`` (each sorted by rank 0..n-1).
 
-    ``pack_mixed_if``: called once the routes are known and before any bucket is made, with
-    every link that carries data and the mixed ones among them, as (writer, reader)
-    participant pairs sorted by ranks; where it answers True and some link is mixed, the plan
-    is made as with ``options.pack_mixed`` (and says so in :attr:`TransferPlan.options`). For
-    a caller whose choice depends on the plan's links (a session choosing a transport per
-    link, which decides whether mixed links pack): one plan instead of two. Ignored when
+    ``pack_mixed_links``: called once the routes are known and before any bucket is made,
+    with every link that carries data and the mixed ones among them, as (writer, reader)
+    participant pairs sorted by ranks; it returns the mixed links to pack, as
+    ``options.pack_mixed`` packs every one (:attr:`PlanStats.packed_links` lists them; where
+    they are all of them, :attr:`TransferPlan.options` says ``pack_mixed``). For a caller
+    whose choice depends on the plan's links (a session choosing a transport per link, where
+    NCCL's links pack and CUDA IPC's need not): one plan instead of two. Not called when
     ``options.pack_mixed`` is set.
 
     Raises :class:`~weightbus.spec.LayoutError` naming the tensor, the participants and the
@@ -753,7 +757,7 @@ def make_plan(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _make_plan(writers, readers, options, pack_mixed_if)
+        return _make_plan(writers, readers, options, pack_mixed_links)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -763,7 +767,7 @@ def _make_plan(
     writers: Sequence[Layout],
     readers: Sequence[Layout],
     options: PlanOptions | None,
-    pack_mixed_if: PackMixedIf | None,
+    pack_mixed_links: PackMixedLinks | None,
 ) -> TransferPlan:
     t0 = time.perf_counter()
     opts = options or PlanOptions()
@@ -864,15 +868,13 @@ def _make_plan(
     mixed = np.zeros(len(link_first), bool)
     mixed[link_id[lone[~flat]]] = True
     mixed_links = tuple((int(src[i]), int(dst[i])) for i in link_first[np.flatnonzero(mixed)])
-    if pack_mixed_if is not None and not opts.pack_mixed:
-
-        def pairs(at: np.ndarray) -> tuple[tuple[Participant, Participant], ...]:
-            return tuple((writers[src[i]].participant, readers[dst[i]].participant) for i in at)
-
-        if pack_mixed_if(pairs(link_first), pairs(link_first[mixed])) and mixed_links:
-            opts = replace(opts, pack_mixed=True)
-    if opts.pack_mixed:
-        alone &= ~mixed[link_id]
+    pack = mixed if opts.pack_mixed else np.zeros_like(mixed)
+    if pack_mixed_links is not None and not opts.pack_mixed:
+        opts, pack = _ask_pack(
+            pack_mixed_links, opts, mixed, writers, readers, src, dst, link_first
+        )
+    packed_links = tuple((int(src[i]), int(dst[i])) for i in link_first[np.flatnonzero(pack)])
+    alone &= ~pack[link_id]
     packed = np.where(alone, 0, padded)
     cum = np.cumsum(packed)
     link_base = np.append(0, cum)[link_first][link_id]
@@ -935,7 +937,7 @@ def _make_plan(
         position=stream_pos[exec_order],
     )
     seconds = time.perf_counter() - t0
-    stats = _stats(routes, buckets, len(writers), len(readers), seconds, mixed_links)
+    stats = _stats(routes, buckets, len(writers), len(readers), seconds, mixed_links, packed_links)
     digest = _digest(writers, readers, specs, src_dtypes, routes, buckets, opts, ndim)
     plan = TransferPlan(
         writers=writers,
@@ -950,6 +952,35 @@ def _make_plan(
     )
     logger.debug("plan %s: %s", digest[:12], stats.summary())
     return plan
+
+
+def _ask_pack(
+    ask: PackMixedLinks,
+    opts: PlanOptions,
+    mixed: np.ndarray,
+    writers: Sequence[Layout],
+    readers: Sequence[Layout],
+    src: np.ndarray,
+    dst: np.ndarray,
+    link_first: np.ndarray,
+) -> tuple[PlanOptions, np.ndarray]:
+    """:func:`make_plan`'s ``pack_mixed_links`` asked: the options (``pack_mixed`` where it
+    picked every mixed link) and, per link, whether to pack it."""
+    pairs = [(writers[src[i]].participant, readers[dst[i]].participant) for i in link_first]
+    place = {(w.name, r.name): k for k, (w, r) in enumerate(pairs)}
+    mixed_pairs = tuple(pairs[k] for k in np.flatnonzero(mixed))
+    pack = np.zeros_like(mixed)
+    for w, r in ask(tuple(pairs), mixed_pairs):
+        k = place.get((w.name, r.name))
+        if k is None or not mixed[k]:
+            raise ValueError(
+                f"pack_mixed_links returned {w.name}->{r.name}, which is not a mixed link of "
+                f"this plan (mixed: {', '.join(f'{a.name}->{b.name}' for a, b in mixed_pairs)})"
+            )
+        pack[k] = True
+    if mixed.any() and pack[mixed].all():
+        opts = replace(opts, pack_mixed=True)
+    return opts, pack
 
 
 def _contiguous(extent: np.ndarray, shape: np.ndarray) -> np.ndarray:
@@ -972,6 +1003,7 @@ def _stats(
     n_r: int,
     seconds: float,
     mixed_links: tuple[tuple[int, int], ...] = (),
+    packed_links: tuple[tuple[int, int], ...] = (),
 ) -> PlanStats:
     wb = np.bincount(routes.src, weights=routes.nbytes, minlength=n_w).astype(np.int64)
     rb = np.bincount(routes.dst, weights=routes.nbytes, minlength=n_r).astype(np.int64)
@@ -995,6 +1027,7 @@ def _stats(
         reader_imbalance=imbalance(rb),
         seconds=seconds,
         mixed_links=mixed_links,
+        packed_links=packed_links,
     )
 
 

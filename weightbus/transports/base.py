@@ -188,10 +188,10 @@ class Transport:
     same_process: ClassVar[bool] = False
     """Whether it links only participants that are threads of one process."""
     pack_mixed_links: ClassVar[bool] = False
-    """Whether a job all of whose links it serves is planned with
-    :attr:`~weightbus.plan.PlanOptions.pack_mixed` (``SyncConfig.pack_mixed``): every route of
-    a link on which some large route would be staged on one side is packed into buckets, so
-    that the link moves fewer, larger messages."""
+    """Whether its links are planned as :attr:`~weightbus.plan.PlanOptions.pack_mixed` plans
+    (``SyncConfig.pack_mixed``): every route of a link on which some large route would be
+    staged on one side is packed into buckets, so that the link moves fewer, larger
+    messages."""
     sends_any_buffer: ClassVar[bool] = False
     """Whether a send may read any tensor of a device it moves, not only the buffers
     :meth:`register` declared and the live tensors, at no extra cost, and keeps it alive
