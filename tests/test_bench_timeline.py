@@ -274,13 +274,16 @@ def test_results_name_the_tree_that_ran_even_where_git_metadata_is_older(tmp_pat
         "tree_differs_from_commit": False,
     }
     (repo / "a.py").write_text("one, changed\n")
-    _git(repo, "commit", "-qam", "second")
+    (repo / "c.py").write_text("three\n")  # a file added since
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "second")
     new_tree = _git(repo, "rev-parse", "HEAD^{tree}")
     _git(repo, "reset", "-q", "--soft", old)  # the metadata falls behind the files
     _git(repo, "reset", "-q")
     got = source_identity()
     assert got == {"commit": old, "tree": new_tree, "tree_differs_from_commit": True}
-    assert _git(repo, "status", "--porcelain") == "M a.py"  # the checkout's index untouched
+    # the checkout's index untouched
+    assert _git(repo, "status", "--porcelain").splitlines() == ["M a.py", "?? c.py"]
     monkeypatch.setenv("WEIGHTBUS_COMMIT", "f" * 40)  # unknown here: git cannot tell
     assert source_identity()["tree_differs_from_commit"] is None
     monkeypatch.chdir(tmp_path)  # no checkout at all

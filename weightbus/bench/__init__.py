@@ -48,10 +48,10 @@ def source_identity() -> dict:
     ``tree_differs_from_commit`` fields.
 
     ``commit``: ``$WEIGHTBUS_COMMIT`` when set, else git's ``HEAD`` here ("" without git).
-    ``tree``: git's hash of the tracked files as they are (``HEAD``'s tree with every tracked
-    file's current contents), so that a copy of the source whose git metadata is older than
-    its files still names what ran: ``git log --format='%h %T' | grep <tree>`` finds the
-    commit, where one has it. ``tree_differs_from_commit``: whether the tracked files differ
+    ``tree``: git's hash of the files as they are (what ``git add --all`` would commit:
+    tracked files and those git does not ignore), so that a copy of the source whose git
+    metadata is older than its files, files added since included, still names what ran:
+    ``git log --format='%h %T' | grep <tree>`` finds the commit, where one has it. ``tree_differs_from_commit``: whether the tracked files differ
     from ``commit`` (None: git cannot tell, e.g. the commit is unknown here).
     """
     commit = os.environ.get("WEIGHTBUS_COMMIT", "")
@@ -63,7 +63,7 @@ def source_identity() -> dict:
         # a scratch index: the checkout's own is left as it was
         env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         if _git("read-tree", "HEAD", env=env) is not None and (
-            _git("add", "--update", "--", ":/", env=env) is not None
+            _git("add", "--all", "--", ":/", env=env) is not None
         ):
             tree = _git("write-tree", env=env)
     differs = None
