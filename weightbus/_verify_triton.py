@@ -32,6 +32,10 @@ import triton.language as tl
 
 from weightbus.plan._copy_triton import blocks, tiles
 
+# every launch and warm-up passes enable_fp_fusion=False: no multiply and add is contracted
+# into one rounding, whatever Triton's default (it changes in Triton 3.10), so float results
+# round as the torch paths do
+
 _BR, _BC = 32, 256  # words per tile: rows, columns (_BC <= 256 keeps narrow row sums in int32)
 # row tiles per program: a route's programs all add into its two sums, and atomics on one
 # address serialize (one tile per program ran at 0.84 TB/s on an H200)
@@ -186,6 +190,7 @@ class GpuSums:
                     BC=_BC,
                     GROUP=_GROUP,
                     num_warps=8,
+                    enable_fp_fusion=False,
                 )
         return out
 

@@ -124,6 +124,10 @@ ZERO_CHUNK = 4096
 """Bytes a program of the kernel zeroing a window's store takes at most
 (:meth:`WindowTable.zero`)."""
 
+# every launch and warm-up passes enable_fp_fusion=False: no multiply and add is contracted
+# into one rounding, whatever Triton's default (it changes in Triton 3.10), so float results
+# round as the torch paths do
+
 # addressing modes of a region: contiguous; tiles inside one row of its last dim (rows of at
 # least half a tile); tiles over its flat element order (narrow rows, any strides)
 CONTIG, ROWS, FLAT = 0, 1, 2
@@ -1060,7 +1064,7 @@ class WindowTable:
                                 self._owner, self._picks, self._routes, b, b, counts, bits,
                                 first, n, T=_INT[isz], MODE=m, UPDATE=bool(update),
                                 COUNT=bool(count), BLOCK=self.block, R=r, WHOLE=self._whole,
-                                PICK=pick, num_warps=warps, grid=(1,),
+                                PICK=pick, num_warps=warps, grid=(1,), enable_fp_fusion=False,
                             )  # fmt: skip
                 for steps in (True, False):
                     r, warps = EMIT_STEPS if steps else EMIT_LANES
@@ -1068,9 +1072,9 @@ class WindowTable:
                         self._owner, self._routes, b, b, q, i, q, b, first, n,
                         T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=True,
                         STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
-                        SUB=min(LANES, self.block), num_warps=warps, grid=(1,),
+                        SUB=min(LANES, self.block), num_warps=warps, grid=(1,), enable_fp_fusion=False,
                     )  # fmt: skip
-            _zero_kernel.warmup(q, b, CHUNK=ZERO_CHUNK, grid=(1,))
+            _zero_kernel.warmup(q, b, CHUNK=ZERO_CHUNK, grid=(1,), enable_fp_fusion=False)
 
     def compare(
         self,
@@ -1137,7 +1141,7 @@ class WindowTable:
                 _compare_kernel[(-(-n // r),)](
                     self._owner, self._picks, self._routes, work, scratch, counts, bits,
                     first, n, T=_INT[isz], MODE=mode, UPDATE=update, COUNT=count,
-                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick, num_warps=warps,
+                    BLOCK=self.block, R=r, WHOLE=self._whole, PICK=pick, num_warps=warps, enable_fp_fusion=False,
                 )  # fmt: skip
 
     def sample(self, work: torch.Tensor, stream: torch.cuda.Stream | None = None):
@@ -1186,7 +1190,7 @@ class WindowTable:
                     self._owner, self._routes, work, scratch, cum, bits, rows, store, first, n,
                     T=_INT[isz], MODE=_unaligned(mode), BLOCK=self.block, ASM=not INTERPRETED,
                     STEPS=steps, R=r, TOGETHER=EMIT_TOGETHER[_unaligned(mode)],
-                    SUB=min(LANES, self.block), num_warps=warps,
+                    SUB=min(LANES, self.block), num_warps=warps, enable_fp_fusion=False,
                 )  # fmt: skip
 
     def zero(self, store: torch.Tensor, starts: np.ndarray, ends: np.ndarray) -> None:
@@ -1203,7 +1207,9 @@ class WindowTable:
         at = np.repeat(starts, per) + step * ZERO_CHUNK
         chunks = np.stack([at, np.minimum(ZERO_CHUNK, np.repeat(starts + n, per) - at)], 1)
         with _device_context(self.device):
-            _zero_kernel[(len(chunks),)](_on(chunks, self.device), store, CHUNK=ZERO_CHUNK)
+            _zero_kernel[(len(chunks),)](
+                _on(chunks, self.device), store, CHUNK=ZERO_CHUNK, enable_fp_fusion=False
+            )
 
 
 class TargetTable:
@@ -1266,22 +1272,22 @@ class TargetTable:
             sub_masked = min(LANES, block)
             _mask_count_kernel.warmup(
                 entries, 2, 1, buf, counts, counts, BLOCK=block, ASM=True, SUB=sub_masked,
-                num_warps=mask_warps, grid=(1,),
+                num_warps=mask_warps, grid=(1,), enable_fp_fusion=False,
             )  # fmt: skip
             for size, contig in kinds:
                 _apply_kernel.warmup(
                     entries, 2, 1, self._targets, buf, self._faults, T=_INT[size],
-                    CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,),
+                    CONTIGUOUS=contig, BLOCK=self.block, num_warps=4, grid=(1,), enable_fp_fusion=False,
                 )  # fmt: skip
                 _apply_mask_kernel.warmup(
                     entries, self._targets, buf, entries, counts, self._faults, T=_INT[size],
                     CONTIGUOUS=contig, BLOCK=block, ASM=True, SUB=sub_masked,
-                    num_warps=mask_warps, grid=(1,),
+                    num_warps=mask_warps, grid=(1,), enable_fp_fusion=False,
                 )  # fmt: skip
                 for aligned in (True, False) if contig else ():
                     _copy_in_kernel.warmup(
                         entries, 2, 1, self._targets, buf, T=_INT[size], ALIGNED=aligned,
-                        VEC=16 // size, BLOCK=self.block, SUB=sub, num_warps=warps, grid=(1,),
+                        VEC=16 // size, BLOCK=self.block, SUB=sub, num_warps=warps, grid=(1,), enable_fp_fusion=False,
                     )  # fmt: skip
 
     def apply(
@@ -1330,12 +1336,12 @@ class TargetTable:
                 if is_copy:
                     _copy_in_kernel[(n,)](
                         at, n_ent, steps, self._targets, buf, T=_INT[size], ALIGNED=f,
-                        VEC=16 // size, BLOCK=self.block, SUB=sub, num_warps=warps,
+                        VEC=16 // size, BLOCK=self.block, SUB=sub, num_warps=warps, enable_fp_fusion=False,
                     )  # fmt: skip
                 else:
                     _apply_kernel[(n,)](
                         at, n_ent, steps, self._targets, buf, self._faults, T=_INT[size],
-                        CONTIGUOUS=f, BLOCK=self.block, num_warps=4,
+                        CONTIGUOUS=f, BLOCK=self.block, num_warps=4, enable_fp_fusion=False,
                     )  # fmt: skip
 
     def _masked_shape(self) -> tuple[int, int]:
@@ -1382,12 +1388,12 @@ class TargetTable:
             for a, b, n, at, _, _ in launches:
                 _mask_count_kernel[(n,)](
                     entries[a:] if a else entries, b - a, max(b - a - 1, 0).bit_length(), buf,
-                    counts[at:], where[at:], BLOCK=block, ASM=asm, SUB=sub, num_warps=warps,
+                    counts[at:], where[at:], BLOCK=block, ASM=asm, SUB=sub, num_warps=warps, enable_fp_fusion=False,
                 )  # fmt: skip
             cum = torch.cumsum(counts, 0)
             for a, _, n, at, contiguous, size in launches:
                 _apply_mask_kernel[(n,)](
                     entries[a:] if a else entries, self._targets, buf, cum[at:], where[at:],
                     self._faults, T=_INT[size], CONTIGUOUS=contiguous, BLOCK=block,
-                    ASM=asm, SUB=sub, num_warps=warps,
+                    ASM=asm, SUB=sub, num_warps=warps, enable_fp_fusion=False,
                 )  # fmt: skip

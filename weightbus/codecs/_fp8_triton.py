@@ -24,6 +24,10 @@ import triton.language as tl
 
 from weightbus.codecs.fp8 import FP8_MAX, Fp8Config, scale_shape
 
+# every launch and warm-up passes enable_fp_fusion=False: no multiply and add is contracted
+# into one rounding, whatever Triton's default (it changes in Triton 3.10), so float results
+# round as the torch paths do
+
 
 @triton.jit
 def _load_block(x_ptr, sx0, sx1, h, w, pr, pc, bi, bj, BLOCK: tl.constexpr):
@@ -203,7 +207,18 @@ def block_amax(x: torch.Tensor, origin: Sequence[int], block: int) -> torch.Tens
     out = torch.empty((nbr, nbc), dtype=torch.float32, device=x.device)
     if x.numel():
         _amax_kernel[(nbr, nbc)](
-            x, x.stride(0), x.stride(1), h, w, pr, pc, out, nbc, BLOCK=block, num_warps=8
+            x,
+            x.stride(0),
+            x.stride(1),
+            h,
+            w,
+            pr,
+            pc,
+            out,
+            nbc,
+            BLOCK=block,
+            num_warps=8,
+            enable_fp_fusion=False,
         )
     return out
 
@@ -233,6 +248,7 @@ def quantize(
         FP8_MAX,
         BLOCK=block,
         num_warps=_QUANT_WARPS,
+        enable_fp_fusion=False,
     )
 
 
@@ -258,6 +274,7 @@ def quantize_blocks(x: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, t
             UE8M0=config.scale_format == "ue8m0",
             BLOCK=config.block,
             num_warps=_QUANT_WARPS,
+            enable_fp_fusion=False,
         )
     return q, s
 
@@ -325,6 +342,7 @@ class RegionTable:
                     ALIGNED=aligned,
                     BLOCK=self.block,
                     num_warps=_QUANT_WARPS,
+                    enable_fp_fusion=False,
                 )
 
     def amax(self) -> None:
@@ -333,5 +351,11 @@ class RegionTable:
         with self._on_device():
             for (kind, aligned), blocks, routes, n in self.groups:
                 _amax_table_kernel[(n,)](
-                    blocks, routes, XKIND=kind, ALIGNED=aligned, BLOCK=self.block, num_warps=8
+                    blocks,
+                    routes,
+                    XKIND=kind,
+                    ALIGNED=aligned,
+                    BLOCK=self.block,
+                    num_warps=8,
+                    enable_fp_fusion=False,
                 )
