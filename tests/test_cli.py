@@ -27,6 +27,21 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``weightbus ARGS`` in this process, for commands that stop before any work (bad
+    flags, no GPUs) or only plan: what a subprocess would give, without its seconds of
+    start (``weightbus bench plan`` pins its process to one core: run it with :func:`_run`)."""
+    from weightbus.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
 def test_python_dash_m_weightbus_is_the_command():
     """``python -m weightbus`` runs the CLI (a checkout without the console script)."""
     got = subprocess.run(
@@ -41,12 +56,12 @@ def test_python_dash_m_weightbus_is_the_command():
 
 
 def test_plan_prints_statistics_and_json():
-    out = _run(
+    out = _cli(
         "plan", "--model", "tiny-llama", "--writers", "fsdp:shard=3", "--readers", "vllm:tp=2,dp=2"
     )
     assert out.returncode == 0, out.stderr
     assert "3 writers -> 4 readers" in out.stdout and "max/mean" in out.stdout
-    out = _run(
+    out = _cli(
         "plan",
         "--model",
         "tiny-llama",
@@ -85,10 +100,10 @@ def test_plan_reports_mixed_links_and_packs_them_when_asked(capfd):
 
 
 def test_plan_reports_bad_input_clearly():
-    out = _run("plan", "--model", "tiny-llama", "--writers", "fsdp:shards=3", "--readers", "whole")
+    out = _cli("plan", "--model", "tiny-llama", "--writers", "fsdp:shards=3", "--readers", "whole")
     assert out.returncode == 2
     assert "'shards=3' is not key=value with a key of ['ep', 'shard']" in out.stderr
-    out = _run(
+    out = _cli(
         "plan", "--model", "llama-3-8b", "--writers", "fsdp:shard=2", "--readers", "vllm:tp=5"
     )
     assert out.returncode == 2
@@ -99,12 +114,12 @@ def test_plan_refuses_simulation_flags_without_simulate():
     """A flag that only changes the prediction must not pass silently where no prediction is
     made: it names the flags and the fix."""
     base = ("plan", "--model", "tiny-llama", "--writers", "fsdp:shard=2", "--readers", "whole")
-    out = _run(*base, "--wire", "fp8", "--nic-gbits", "200")
+    out = _cli(*base, "--wire", "fp8", "--nic-gbits", "200")
     assert out.returncode == 2
     assert "--wire, --nic-gbits only apply with --simulate: add --simulate" in out.stderr
-    out = _run(*base, "--serial")
+    out = _cli(*base, "--serial")
     assert out.returncode == 2 and "--serial only applies with --simulate" in out.stderr
-    out = _run(*base, "--simulate", "--wire", "fp8", "--nic-gbits", "200")
+    out = _cli(*base, "--simulate", "--wire", "fp8", "--nic-gbits", "200")
     assert out.returncode == 0, out.stderr
     assert "simulate preset=none" in out.stdout
 
@@ -134,22 +149,22 @@ def test_bench_gpu_checks_codec_flags_before_starting():
     Fp8Config, as do `--fp8-bucket-mb`, and `--windows-per-pass` S7's DeltaConfig."""
     from weightbus.bench import gpu
 
-    out = _run("bench", "gpu", "--fp8-ahead", "99")
+    out = _cli("bench", "gpu", "--fp8-ahead", "99")
     assert out.returncode == 2
     assert "--fp8-ahead" in out.stderr and "ahead=99 must be an int in [0, 64]" in out.stderr
-    out = _run("bench", "gpu", "--window-mb", "0")
+    out = _cli("bench", "gpu", "--window-mb", "0")
     assert out.returncode == 2 and "window_bytes=0 must be >= 1" in out.stderr
-    out = _run("bench", "gpu", "--compare-ahead", "0")
+    out = _cli("bench", "gpu", "--compare-ahead", "0")
     assert out.returncode == 2
     assert "--compare-ahead" in out.stderr and "compare_ahead=0 must be >= 1" in out.stderr
     assert gpu._scenario_codecs("S7", compare_ahead=3)["delta"].compare_ahead == 3
-    out = _run("bench", "gpu", "--windows-per-pass", "0")
+    out = _cli("bench", "gpu", "--windows-per-pass", "0")
     assert out.returncode == 2
     assert "--windows-per-pass" in out.stderr and "windows_per_pass=0 must be >= 1" in out.stderr
     assert gpu._scenario_codecs("S7", windows_per_pass=3)["delta"].windows_per_pass == 3
     assert gpu._scenario_codecs("S6", fp8_ahead=6)["fp8"].ahead == 6
     assert gpu._scenario_codecs("S6")["fp8"].ahead == 4  # Fp8Config's default
-    out = _run("bench", "gpu", "--fp8-bucket-mb", "-1")
+    out = _cli("bench", "gpu", "--fp8-bucket-mb", "-1")
     assert out.returncode == 2 and "--fp8-bucket-mb" in out.stderr
     assert "bucket_bytes=-1048576 must be 0 (SyncConfig.bucket_bytes) or" in out.stderr
     assert gpu._scenario_codecs("S6", fp8_bucket_mb=0)["fp8"].bucket_bytes == 0
@@ -165,7 +180,7 @@ def test_bench_gpu_variants_are_parsed_and_checked_before_starting():
     from weightbus.bench import gpu
 
     def refused(*args: str) -> str:
-        out = _run("bench", "gpu", *args)
+        out = _cli("bench", "gpu", *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         return out.stderr
 
@@ -183,7 +198,7 @@ def test_bench_gpu_variants_are_parsed_and_checked_before_starting():
     assert "--rounds 0" in refused("--rounds", "0")
     # good ones pass the checks: the command gets as far as looking for GPUs
     if not torch.cuda.is_available():
-        out = _run("bench", "gpu", "--variant", "a8: WEIGHTBUS_AMAX_SMS=48 --fp8-ahead 8")
+        out = _cli("bench", "gpu", "--variant", "a8: WEIGHTBUS_AMAX_SMS=48 --fp8-ahead 8")
         assert out.returncode == 2 and "needs at least 2 CUDA GPUs" in out.stderr, out.stderr
 
     p = argparse.ArgumentParser()
@@ -359,14 +374,14 @@ def test_demo_runs_and_checks_and_status_watches_it():
 
 
 def test_bench_links_checks_its_flags_then_wants_two_gpus():
-    out = _run("bench", "links", "--jobs", "2x")
+    out = _cli("bench", "links", "--jobs", "2x")
     assert out.returncode == 2 and "--jobs" in out.stderr and "integers" in out.stderr
-    out = _run("bench", "links", "--jobs", "0x4")
+    out = _cli("bench", "links", "--jobs", "0x4")
     assert out.returncode == 2 and "both at least 1" in out.stderr
-    out = _run("bench", "links", "--budgets", "-1")
+    out = _cli("bench", "links", "--budgets", "-1")
     assert out.returncode == 2 and "0 (NCCL's choice) or more" in out.stderr
     import torch
 
     if torch.cuda.device_count() < 2:
-        out = _run("bench", "links")
+        out = _cli("bench", "links")
         assert out.returncode == 2 and "needs 2 CUDA GPUs" in out.stderr
