@@ -362,6 +362,27 @@ def test_contiguous_regions():
     ]
 
 
+def _executes_bit_exact(plan, w, r) -> None:
+    """The reference executor moves random writer tensors into poisoned reader tensors, bit
+    exact."""
+    from weightbus.plan import poison
+
+    wt = [allocate(lay) for lay in w]
+    canon = {s.name: torch.randn(s.shape) for s in plan.tensors}
+    for lay, t in zip(w, wt, strict=True):
+        fill_from_canonical(lay, canon, t)
+    rt = [allocate(lay) for lay in r]
+    for t in rt:
+        for x in t.values():
+            poison(x)
+    execute(plan, wt, rt)
+    for lay, got in zip(r, rt, strict=True):
+        want = allocate(lay)
+        fill_from_canonical(lay, canon, want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_mixed_links_pack_every_route_when_asked(pack):
     """FSDP on 2 writers (rows) -> tensor parallel 2 (row-parallel weights split by columns):
@@ -372,7 +393,6 @@ def test_mixed_links_pack_every_route_when_asked(pack):
     has no mixed link and plans alike either way."""
     from weightbus.layouts import describe
     from weightbus.layouts.families import model_spec
-    from weightbus.plan import poison
 
     model = model_spec("tiny-llama")
     w = describe.build_layouts(model, "fsdp:shard=2", "writer", dtype="float32")
@@ -396,21 +416,7 @@ def test_mixed_links_pack_every_route_when_asked(pack):
             assert n <= -(-nbytes // stretch) + 1, (wi, ri, n, nbytes)
     else:
         assert plan.digest == alone.digest
-    wt = [allocate(lay) for lay in w]
-    canon = {s.name: torch.randn(s.shape) for s in plan.tensors}
-    for lay, t in zip(w, wt, strict=True):
-        fill_from_canonical(lay, canon, t)
-    rt = [allocate(lay) for lay in r]
-    for t in rt:
-        for x in t.values():
-            poison(x)
-    execute(plan, wt, rt)
-    want = [allocate(lay) for lay in r]
-    for lay, t in zip(r, want, strict=True):
-        fill_from_canonical(lay, canon, t)
-    for got, ref in zip(rt, want, strict=True):
-        for k in ref:
-            assert torch.equal(got[k], ref[k]), k
+    _executes_bit_exact(plan, w, r)
     whole = describe.build_layouts(model, "whole", "writer", dtype="float32")
     one = describe.build_layouts(model, "vllm:tp=1", "reader", dtype="float32")
     a, c = (
@@ -430,7 +436,6 @@ def test_pack_mixed_links_picks_them_in_one_plan(pick):
     that is not mixed is refused, naming it."""
     from weightbus.layouts import describe
     from weightbus.layouts.families import model_spec
-    from weightbus.plan import poison
 
     model = model_spec("tiny-llama")
     w = describe.build_layouts(model, "fsdp:shard=2", "writer", dtype="float32")
@@ -463,20 +468,7 @@ def test_pack_mixed_links_picks_them_in_one_plan(pick):
             on = (b.src == wi) & (b.dst == ri)
             ref_on = (ref.buckets.src == wi) & (ref.buckets.dst == ri)
             assert np.array_equal(b.nbytes[on], ref.buckets.nbytes[ref_on]), (wi, ri)
-        wt = [allocate(lay) for lay in w]
-        canon = {s.name: torch.randn(s.shape) for s in plan.tensors}
-        for lay, t in zip(w, wt, strict=True):
-            fill_from_canonical(lay, canon, t)
-        rt = [allocate(lay) for lay in r]
-        for t in rt:
-            for x in t.values():
-                poison(x)
-        execute(plan, wt, rt)
-        for lay, got in zip(r, rt, strict=True):
-            want_t = allocate(lay)
-            fill_from_canonical(lay, canon, want_t)
-            for k in want_t:
-                assert torch.equal(got[k], want_t[k]), k
+        _executes_bit_exact(plan, w, r)
     asked.clear()
     make_plan(w, r, packed.options, pack_mixed_links=pack_mixed_links)
     assert asked == []
