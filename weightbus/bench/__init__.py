@@ -51,8 +51,9 @@ def source_identity() -> dict:
     ``tree``: git's hash of the files as they are (what ``git add --all`` would commit:
     tracked files and those git does not ignore), so that a copy of the source whose git
     metadata is older than its files, files added since included, still names what ran:
-    ``git log --format='%h %T' | grep <tree>`` finds the commit, where one has it. ``tree_differs_from_commit``: whether the tracked files differ
-    from ``commit`` (None: git cannot tell, e.g. the commit is unknown here).
+    ``git log --format='%h %T' | grep <tree>`` finds the commit, where one has it.
+    ``tree_differs_from_commit``: whether the tracked files differ from ``commit`` (None:
+    git cannot tell, e.g. the commit is unknown here).
     """
     commit = os.environ.get("WEIGHTBUS_COMMIT", "")
     if not commit:
