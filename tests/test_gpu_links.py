@@ -17,8 +17,8 @@ which the job packs into buckets (``SyncConfig.pack_mixed``) or, with it off, se
 Every participant is a process of its own; the readers' tensors are poisoned (NaN) before
 every sync and compared bit for bit.
 
-Marked ``gpu``; skipped without 3 (the FSDP jobs over NCCL alone: 2) CUDA GPUs. Run with ``python -m pytest -m gpu
-tests/test_gpu_links.py``.
+Marked ``gpu``; skipped without 3 CUDA GPUs (the FSDP jobs over NCCL alone: 2). Run with
+``python -m pytest -m gpu tests/test_gpu_links.py``.
 """
 
 from __future__ import annotations
