@@ -119,7 +119,9 @@ class SyncConfig:
         if self.staging_buffers < 1:
             raise ValueError(f"staging_buffers={self.staging_buffers} must be at least 1")
         if self.bucket_bytes < 1 * MiB:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} is below 1 MiB: use 16-256 MiB")
+            raise ValueError(
+                f"bucket_bytes={self.bucket_bytes} is below 1 MiB: use 64-512 MiB (256 by default)"
+            )
         for name in ("sync_timeout", "connect_timeout", "step_timeout"):
             v = getattr(self, name)
             if not isinstance(v, timedelta) or v.total_seconds() <= 0:
