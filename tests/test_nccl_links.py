@@ -340,3 +340,47 @@ def test_participants_sharing_a_gpu_share_its_links_at_once():
     assert {connect_at_once(fan, f"reader-{i}") for i in range(16)} == {1}
     colocated = roster([(i, f"g{i}") for i in range(4)], [(i, f"g{i}") for i in range(4)])
     assert {connect_at_once(colocated, p.name) for p in colocated.all} == {8}
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_each_link_rendezvous_on_a_connection_of_its_own(own):
+    """Links' communicators are made at once, each waiting in the store for its peer's key. A
+    store client serves one request at a time, so on one shared connection a link's wait
+    holds back every other link's writes (until it times out: a deadlock where both ends
+    wait, as Gloo's rendezvous does). On a connection of its own (``_own_connection``, as
+    connect makes each link's store) another link writes at once, under the same prefix."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from weightbus.transports.nccl import _own_connection
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=3))
+    base = dist.PrefixStore("nccl", client)
+    conn = _own_connection if own else (lambda s: s)
+    waiting, other = dist.PrefixStore("0-1", conn(base)), dist.PrefixStore("0-2", conn(base))
+    got: list = []
+
+    def wait_for_peer():
+        try:
+            got.append(waiting.get("peer"))
+        except Exception as exc:  # (the shared connection: timed out)
+            got.append(type(exc).__name__)
+
+    t = threading.Thread(target=wait_for_peer, daemon=True)
+    t.start()
+    time.sleep(0.3)  # the first link waits for its peer's key
+    t0 = time.perf_counter()
+    try:
+        other.set("mine", "1")
+    except Exception:  # the shared connection's wait timed out under it
+        pass
+    took = time.perf_counter() - t0
+    server.set("nccl/0-1/peer", "here")
+    t.join(10)
+    if own:
+        assert took < 1.0, took
+        assert got == [b"here"] and server.get("nccl/0-2/mine") == b"1"
+    else:
+        assert took > 2.0, took  # held back until the first link's wait timed out

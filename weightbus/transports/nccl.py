@@ -106,6 +106,15 @@ _POLL_S = 0.05
 """How often :func:`make_in_order` calls its ``poll`` while it waits."""
 
 
+def _own_connection(store: Any) -> Any:
+    """``store`` (its prefix and data) on a connection of its own, where it can make one
+    (``Store.clone``); else ``store`` itself."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
+
+
 def connect_at_once(roster: Roster, name: str) -> int:
     """How many links participant ``name`` makes at once at connect: :data:`CONNECT_AT_ONCE`
     over the participants on its GPU (itself included), at least 1."""
@@ -316,14 +325,17 @@ class NcclTransport(Transport):
         channels = link_channels(roster, budgets)
         store = control.substore("nccl")
         # every link's group (creating one is local: its communicator comes with its first
-        # operation), the writer rank 0, under the link's own prefix of one store
+        # operation), the writer rank 0, under the link's own prefix of one store, each on a
+        # connection of its own: a store client serves one request at a time, so one link's
+        # wait for its peer's key while communicators are made at once would hold back the
+        # others' (and, where both ends wait, as Gloo's rendezvous does, deadlock them)
         for peer, prefix, rank in links:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             if prefix in channels:
                 options.config.max_ctas = channels[prefix]
             self._links[peer] = dist.ProcessGroupNCCL(
-                dist.PrefixStore(prefix, store), rank, 2, options
+                dist.PrefixStore(prefix, _own_connection(store)), rank, 2, options
             )
         self._poller = EventPoller(self)
         # ProcessGroupNCCL's groups (no argument in PyTorch 2.11); an empty group posts nothing
