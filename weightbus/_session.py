@@ -314,7 +314,8 @@ class _Session:
             ]
 
         plan = self._make_plan(writers, readers, pack_mixed_links)
-        choice = chosen[0] if chosen else _choose_transport(cfg.transport, plan, codecs, job=job)
+        # (asked by every plan: the sessions' plan options never set pack_mixed themselves)
+        (choice,) = chosen
         packed = plan.stats.packed_links
         if packed:
             logger.info(
@@ -531,7 +532,7 @@ class _Session:
         self,
         writers: list[Layout],
         readers: list[Layout],
-        pack_mixed_links: Callable | None = None,
+        pack_mixed_links: Callable,
     ) -> TransferPlan:
         """The plan for this epoch's layouts. Readers are numbered by their place among the
         epoch's readers (ranks may have gaps once some left). A reader that joined in this
@@ -555,7 +556,7 @@ class _Session:
                 writers,
                 ranked,
                 options,
-                pack_mixed_links=pack_mixed_links and functools.partial(pack_mixed_links, people),
+                pack_mixed_links=functools.partial(pack_mixed_links, people),
             )
 
         try:
